@@ -1,0 +1,73 @@
+"""ONE Transformer block for every placement: norm slots that a :class:`BlockSpec` switches on.
+
+Each sublayer (attention, then FFN) runs the same five lines::
+
+    u      = N_in(s)              if in_norm
+    h      = N_out(G(u))          if out_norm          # G = MHA_# or FFN
+    skip   = s | u | x | x + s    by spec.skip         # input | normed | block | block+input
+    s'     = α·skip + β·h
+    s'     = N_post(s')           if post_norm
+
+so Pre-Norm, Post-Norm, HybridNorm, Peri-LN, OLMo-2, SpanNorm, B2T and DeepNorm differ only in which
+slots are on (see ``hybridnorm.placements``). Module names of the slots: ``attn_norm``,
+``attn_out_norm``, ``attn_post_norm``, ``ffn_norm``, ``ffn_out_norm``, ``ffn_post_norm``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from hybridnorm.nn.attention import Attention, KVCache
+from hybridnorm.nn.ffn import SwiGLU
+from hybridnorm.nn.norms import build_norm
+from hybridnorm.placements.spec import BlockSpec, SublayerSpec
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, spec: BlockSpec, layer: int) -> None:  # cfg: hybridnorm.ModelConfig
+        super().__init__()
+        self.spec, self.layer = spec, layer
+        self.alpha = spec.alpha(cfg.n_layers)
+        self.beta = spec.branch_scale
+        scale = 1.0 / math.sqrt(layer + 1) if spec.depth_scaled_norms else 1.0
+
+        def slot(on: bool) -> nn.Module | None:
+            return build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, scale) if on else None
+
+        self.attn_norm, self.attn_out_norm, self.attn_post_norm = (
+            slot(spec.attn.in_norm), slot(spec.attn.out_norm), slot(spec.attn.post_norm))
+        self.ffn_norm, self.ffn_out_norm, self.ffn_post_norm = (
+            slot(spec.ffn.in_norm), slot(spec.ffn.out_norm), slot(spec.ffn.post_norm))
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, spec, cfg.norm, cfg.norm_eps, scale)
+        if cfg.moe is None:
+            self.ffn: nn.Module = SwiGLU(cfg.d_model, cfg.ffn_hidden_size)
+        else:
+            from hybridnorm.nn.moe import MoEFFN
+
+            self.ffn = MoEFFN(cfg.d_model, cfg.moe.expert_hidden_size or cfg.ffn_hidden_size, cfg.moe)
+
+    def _sublayer(self, s: Tensor, x: Tensor, spec: SublayerSpec, op: Callable[[Tensor], Tensor],
+                  in_norm: nn.Module | None, out_norm: nn.Module | None,
+                  post_norm: nn.Module | None) -> Tensor:
+        u = in_norm(s) if in_norm is not None else s
+        h = op(u)
+        if out_norm is not None:
+            h = out_norm(h)
+        skip = s if spec.skip == "input" else u if spec.skip == "normed" else x if spec.skip == "block" else x + s
+        if self.alpha != 1.0:
+            skip = self.alpha * skip
+        if self.beta != 1.0:
+            h = self.beta * h
+        out = skip + h
+        return post_norm(out) if post_norm is not None else out
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
+        def attn(u: Tensor) -> Tensor:
+            return self.attn(u, cos, sin, cache, self.layer)
+
+        y = self._sublayer(x, x, self.spec.attn, attn, self.attn_norm, self.attn_out_norm, self.attn_post_norm)
+        return self._sublayer(y, x, self.spec.ffn, self.ffn, self.ffn_norm, self.ffn_out_norm,
+                              self.ffn_post_norm)

@@ -1,0 +1,129 @@
+"""The decoder-only LM: embedding → blocks (one spec each, from the placement) → final norm → head.
+
+>>> from hybridnorm import ModelConfig, TransformerLM
+>>> model = TransformerLM(ModelConfig.from_preset("tiny", placement="hybridnorm_star"))
+>>> logits = model(torch.randint(0, 256, (2, 16)))          # (B, T, V)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridnorm.config import ModelConfig
+from hybridnorm.nn.attention import KVCache
+from hybridnorm.nn.block import Block
+from hybridnorm.nn.init import init_weights
+from hybridnorm.nn.norms import build_norm
+from hybridnorm.nn.rope import rope_tables
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.placement = placement = config.resolved_placement()
+        V, d = config.embedding_size, config.d_model
+
+        def norm() -> nn.Module:
+            return build_norm(config.norm, d, config.norm_eps)
+
+        self.embed = nn.Embedding(V, d)
+        self.embed_norm = norm() if placement.embed_norm else None
+        self.blocks = nn.ModuleList(
+            Block(config, spec, layer) for layer, spec in enumerate(placement.blocks(config.n_layers)))
+        self.final_norm = norm() if placement.final_norm else None
+        self.lm_head = None if config.tie_embeddings else nn.Linear(d, V, bias=False)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D/2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_weights(self, self.config.resolved_init(), self.config.std)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.config.moe is not None
+
+    def forward(self, input_ids: Tensor, *, cache: KVCache | None = None,
+                return_aux: bool = False) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        """Logits (B, T, V) for token ids (B, T); with ``return_aux`` also the MoE losses.
+
+        ``V`` is ``config.embedding_size`` (the vocab padded to ``pad_vocab_multiple``).
+        """
+        B, T = input_ids.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        x = self.embed(input_ids)  # (B, T, d)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        for block in self.blocks:
+            x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.pos += T
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
+        return (logits, self.aux_losses()) if return_aux else logits
+
+    def aux_losses(self) -> dict[str, Tensor]:
+        """The MoE losses of the last forward, averaged over layers, and their weighted sum
+        ``aux_loss`` (weights ``moe.lb_loss_weight``, ``moe.z_loss_weight``) to add to the LM loss."""
+        if not self.is_moe:
+            return {}
+        per_layer = [b.ffn.aux_losses for b in self.blocks]
+        lb = torch.stack([a["lb_loss"] for a in per_layer]).mean()
+        z = torch.stack([a["z_loss"] for a in per_layer]).mean()
+        moe = self.config.moe
+        return {"lb_loss": lb, "z_loss": z, "aux_loss": moe.lb_loss_weight * lb + moe.z_loss_weight * z}
+
+    def num_params(self, *, active: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameter count; ``active`` counts only top_k/num_experts of the expert weights (MoE)."""
+        total = 0
+        for name, p in self.named_parameters():
+            if exclude_embeddings and name.split(".")[0] in ("embed", "lm_head"):
+                continue
+            n = p.numel()
+            if active and self.is_moe and name.endswith(("ffn.w_in", "ffn.w_out")):
+                n = n * self.config.moe.top_k // self.config.moe.num_experts
+            total += n
+        return total
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        c = self.config
+        dtype = self.embed.weight.dtype
+        return KVCache(c.n_layers, batch, c.kv_heads, max_len or c.max_seq_len, c.head_dim, dtype,
+                       self.embed.weight.device)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+        """Sample continuations with a KV cache; ``temperature=0`` is greedy. Returns (B, T + new)."""
+        B, T = input_ids.shape
+        cache = self.new_cache(B, min(self.config.max_seq_len, T + max_new_tokens))
+        logits = self(input_ids, cache=cache)[:, -1]
+        out = [input_ids]
+        for i in range(max_new_tokens):
+            logits = logits[:, : self.config.vocab_size].float()  # never sample padding rows
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            out.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits = self(nxt, cache=cache)[:, -1]
+        return torch.cat(out, dim=1)
+
+
+def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Mean next-token cross-entropy; logits (B, T, V) already aligned with targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)

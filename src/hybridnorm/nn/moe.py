@@ -1,0 +1,127 @@
+"""Dropless Mixture-of-Experts SwiGLU FFN (OLMoE-style).
+
+For N tokens x (N, d), E experts, top-k routing and per-expert hidden size h:
+
+    router:   z = x W_r^T                        (N, E), computed in fp32
+              p = softmax(z)                     (N, E)
+    top-k:    (g, e) = topk(p, k)                (N, k) gate weights and expert ids
+              g <- g / sum_j g_j                 only if cfg.normalize_topk (OLMoE does not)
+    expert:   FFN_e(x) = (silu(x W_in[e][:, :h]) * (x W_in[e][:, h:])) W_out[e]
+    output:   y_n = sum_j g_nj * FFN_{e_nj}(x_n)
+
+Dispatch is dropless: every one of the N*k (token, expert) assignments is computed, there is no capacity
+factor and no token is dropped or padded. The assignments are sorted by expert id so each expert's tokens
+form one contiguous slice of a (N*k, d) buffer; the experts then run as one grouped GEMM
+(``F.grouped_mm`` with per-expert offsets) or, where that kernel is unavailable, a loop over the E experts
+(never over tokens) on those slices. The results are scattered back to (token, slot) order and summed with
+the gate weights.
+
+Auxiliary losses (unweighted; the model multiplies by cfg.lb_loss_weight / cfg.z_loss_weight):
+
+    lb_loss = E * sum_i f_i * P_i     f_i = (#top-k assignments to expert i) / (N k)   (no gradient)
+                                      P_i = mean_n p_ni                                (differentiable)
+    z_loss  = mean_n logsumexp(z_n)^2
+
+lb_loss is 1 under perfectly balanced routing and grows up to E when one expert takes everything (Switch /
+OLMoE). z_loss keeps router logits small so the fp32 softmax stays well conditioned (ST-MoE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridnorm.config import MoEConfig
+
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def _grouped_mm_ok(a: Tensor, w: Tensor) -> bool:
+    """Whether F.grouped_mm can run (N, K) x (E, K, M) here, forward and backward."""
+    if not _HAS_GROUPED_MM or a.dtype != w.dtype:
+        return False
+    # The kernel requires every row stride to be a multiple of 16 bytes (also on CPU).
+    if any((s * a.element_size()) % 16 for s in (a.shape[-1], w.shape[-1])):
+        return False
+    if a.device.type == "cpu":
+        return a.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if a.device.type == "cuda":  # documented for bf16 on SM >= 80
+        return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (8, 0)
+    return False
+
+
+class MoEFFN(nn.Module):
+    """Top-k routed SwiGLU experts; forward takes (B, T, d) or (N, d) and returns the same shape.
+
+    After each forward: ``aux_losses`` = {"lb_loss", "z_loss"} (scalars with graph, unweighted) and
+    ``expert_counts`` (E,) int64 = assignments per expert (detached, for diagnostics).
+    """
+
+    # "auto": grouped_mm where it works, else the per-expert loop; "grouped_mm" / "loop" force a path.
+    dispatch: str = "auto"
+
+    def __init__(self, d_model: int, hidden: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.d_model, self.hidden = d_model, hidden
+        n_exp = cfg.num_experts
+        self.router = nn.Linear(d_model, n_exp, bias=False)  # weight (E, d)
+        self.w_in = nn.Parameter(torch.empty(n_exp, d_model, 2 * hidden))  # fused [gate | up] per expert
+        self.w_out = nn.Parameter(torch.empty(n_exp, hidden, d_model))
+        # Placeholder init; the model's init scheme overwrites all three.
+        for w in (self.router.weight, self.w_in, self.w_out):
+            nn.init.normal_(w, std=0.02)
+        self.aux_losses: dict[str, Tensor] = {}
+        self.expert_counts: Tensor = torch.zeros(n_exp, dtype=torch.long)
+
+    def _expert_mm(self, a: Tensor, w: Tensor, counts: Tensor, offs: Tensor) -> Tensor:
+        """(M, K) rows grouped by expert (contiguous, sizes ``counts``) times w (E, K, O) -> (M, O)."""
+        use_grouped = self.dispatch == "grouped_mm" or (self.dispatch == "auto" and _grouped_mm_ok(a, w))
+        if use_grouped:
+            return F.grouped_mm(a, w, offs=offs)
+        # Loop over experts, not tokens: E matmuls on contiguous slices (empty slices are fine).
+        chunks = a.split(counts.tolist())
+        return torch.cat([chunk @ w[e] for e, chunk in enumerate(chunks)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.d_model)  # (N, d)
+        n_tok, n_exp, k = x.shape[0], self.cfg.num_experts, self.cfg.top_k
+        dev = x.device.type
+
+        # Router in fp32 even under autocast: bf16 logits would flip near-tied top-k choices and blur
+        # the softmax that both the gate weights and the aux losses depend on.
+        with torch.autocast(device_type=dev, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
+        probs = logits.softmax(dim=-1)  # (N, E)
+        top_w, top_e = probs.topk(k, dim=-1)  # (N, k), (N, k)
+        if self.cfg.normalize_topk:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+
+        # Sort the N*k assignments by expert so each expert's tokens are one contiguous slice.
+        flat_e = top_e.reshape(-1)  # (N*k,)
+        order = flat_e.argsort(stable=True)  # (N*k,) sorted position -> flat assignment
+        counts = torch.bincount(flat_e, minlength=n_exp)  # (E,)
+        offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's slice
+
+        # Expert matmuls in the autocast dtype; grouped_mm is not on autocast's op lists, so cast by hand.
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        x_sorted = x[order // k].to(cdt)  # (N*k, d) token of each sorted assignment
+        gate_up = self._expert_mm(x_sorted, self.w_in.to(cdt), counts, offs)  # (N*k, 2h)
+        gate, up = gate_up.chunk(2, dim=-1)  # (N*k, h) each
+        y_sorted = self._expert_mm(F.silu(gate) * up, self.w_out.to(cdt), counts, offs)  # (N*k, d)
+
+        # Scatter back to (token, slot) order; index_copy_ is deterministic (no atomic adds), then the
+        # k expert outputs of each token are summed with their gate weights in fp32.
+        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(n_tok, k, self.d_model)
+        out = (y * top_w.unsqueeze(-1)).sum(dim=1).to(cdt)  # (N, d)
+
+        frac = counts.detach().float() / (n_tok * k)  # f_i, (E,)
+        self.aux_losses = {
+            "lb_loss": n_exp * (frac * probs.mean(dim=0)).sum(),
+            "z_loss": torch.logsumexp(logits, dim=-1).square().mean(),
+        }
+        self.expert_counts = counts.detach()
+        return out.view(shape)

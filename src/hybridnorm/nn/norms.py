@@ -1,0 +1,68 @@
+"""Norms with learnable gain, statistics in fp32 and the result cast back to the input dtype.
+
+``N`` in every placement equation is one of these. RMSNorm is the default (the paper's); LayerNorm has
+a gain and no bias ("no biases" in the paper's init); DyT (arXiv 2503.10622) is the norm-free
+stand-in γ·tanh(α·x) + β. ``scale`` multiplies the output (LayerNorm Scaling's 1/√l).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, scale: float = 1.0) -> None:
+        super().__init__()
+        self.dim, self.eps, self.scale = dim, eps, scale
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def gain(self) -> Tensor:
+        return self.weight if self.scale == 1.0 else self.weight * self.scale
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}" + (f", scale={self.scale:.4g}" if self.scale != 1.0 else "")
+
+
+class RMSNorm(_Norm):
+    """x / sqrt(mean(x²) + eps) · g."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), (self.dim,), self.gain(), self.eps).to(x.dtype)
+
+
+class LayerNorm(_Norm):
+    """(x - mean(x)) / sqrt(var(x) + eps) · g  (no bias)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x.float(), (self.dim,), self.gain(), None, self.eps).to(x.dtype)
+
+
+class DyT(_Norm):
+    """Dynamic Tanh: γ·tanh(α·x) + β, α a learnable scalar (init 0.5)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, scale: float = 1.0, alpha0: float = 0.5) -> None:
+        super().__init__(dim, eps, scale)
+        self.alpha0 = alpha0
+        self.alpha = nn.Parameter(torch.full((), alpha0))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.constant_(self.alpha, self.alpha0)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.tanh(self.alpha * x.float()) * self.gain() + self.bias * self.scale
+        return y.to(x.dtype)
+
+
+NORM_TYPES: dict[str, type[_Norm]] = {"rms": RMSNorm, "layer": LayerNorm, "dyt": DyT}
+
+
+def build_norm(kind: str, dim: int, eps: float = 1e-5, scale: float = 1.0) -> _Norm:
+    return NORM_TYPES[kind](dim, eps, scale)

@@ -1,0 +1,207 @@
+"""A normalization placement as data.
+
+One Transformer block has two sublayers, attention ``A`` and feed-forward ``F``. Every placement this
+project knows is a choice of which norm slots around them are switched on:
+
+    u      = N_in(s)            if in_norm   else s          # s: the sublayer's input stream
+    branch = N_out(G(u))        if out_norm  else G(u)       # G = MHA_# or FFN
+    skip   = s | N_in(s) | x | x + s                         # `skip`: input | normed | block | block+input
+    s'     = N_post(α·skip + β·branch) if post_norm else α·skip + β·branch
+
+plus, inside attention, per-head (or full-width) norms on any subset of Q, K, V and the per-head
+context C. ``x`` is the block input, so a block is ``Y = sublayer(attn, X)``, ``X' = sublayer(ffn, Y)``.
+
+A :class:`Placement` is a :class:`BlockSpec` for every layer, per-layer :class:`Override` s (the first
+block of HybridNorm*, the first ⌊αL⌋ blocks of Mix-LN), and model-level embedding / final norms.
+Everything is frozen and hashable, so two placements diff by eye and compare with ``==``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from hybridnorm.errors import ConfigError
+
+Skip = Literal["input", "normed", "block", "block+input"]
+SKIPS: tuple[str, ...] = ("input", "normed", "block", "block+input")
+SCOPES: tuple[str, ...] = ("head", "full")
+ORDERS: tuple[str, ...] = ("before_rope", "after_rope")
+INITS: tuple[str, ...] = ("normal", "megatron", "depth_scaled", "deepnorm")
+QKVC = "QKVC"
+
+
+def _choice(where: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{where}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+@dataclass(frozen=True)
+class SublayerSpec:
+    """The norm slots around one sublayer (attention or FFN); see the module docstring."""
+
+    in_norm: bool = False
+    skip: Skip = "input"
+    out_norm: bool = False
+    post_norm: bool = False
+
+    def validate(self, where: str) -> None:
+        _choice(f"{where}.skip", self.skip, SKIPS)
+        if self.skip == "normed" and not self.in_norm:
+            raise ConfigError(f"{where}.skip='normed' needs {where}.in_norm=True (there is no normed input)")
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Both sublayers of one block, the attention-internal norms and the residual scales.
+
+    ``qkv_norm`` is a string of letters from ``QKVC`` (``""``: none). ``residual_scale`` is α on the
+    skip (a number, or ``"deepnorm"`` for α = (2L)^¼); ``branch_scale`` is β on the branch output.
+    ``depth_scaled_norms`` multiplies every norm output in block ``l`` by 1/√l (LayerNorm Scaling).
+    """
+
+    attn: SublayerSpec = SublayerSpec(in_norm=True)
+    ffn: SublayerSpec = SublayerSpec(in_norm=True)
+    qkv_norm: str = ""
+    qkv_norm_scope: Literal["head", "full"] = "head"
+    qkv_norm_order: Literal["before_rope", "after_rope"] = "before_rope"
+    residual_scale: float | str = 1.0
+    branch_scale: float = 1.0
+    depth_scaled_norms: bool = False
+
+    def validate(self, where: str = "block") -> None:
+        self.attn.validate(f"{where}.attn")
+        self.ffn.validate(f"{where}.ffn")
+        if self.attn.skip in ("block", "block+input"):
+            raise ConfigError(f"{where}.attn.skip={self.attn.skip!r}: the attention input IS the block input")
+        letters = self.qkv_norm.upper()
+        if any(c not in QKVC for c in letters) or len(set(letters)) != len(letters):
+            raise ConfigError(f"{where}.qkv_norm={self.qkv_norm!r} must be distinct letters from 'QKVC'")
+        _choice(f"{where}.qkv_norm_scope", self.qkv_norm_scope, SCOPES)
+        _choice(f"{where}.qkv_norm_order", self.qkv_norm_order, ORDERS)
+        if isinstance(self.residual_scale, str):
+            _choice(f"{where}.residual_scale", self.residual_scale, ("deepnorm",))
+        elif not self.residual_scale > 0:
+            raise ConfigError(f"{where}.residual_scale={self.residual_scale} must be > 0")
+        if not self.branch_scale > 0:
+            raise ConfigError(f"{where}.branch_scale={self.branch_scale} must be > 0")
+
+    def norms(self, letter: str) -> bool:
+        """Whether the attention-internal norm on ``letter`` (one of Q, K, V, C) is on."""
+        return letter in self.qkv_norm.upper()
+
+    def alpha(self, n_layers: int) -> float:
+        if self.residual_scale == "deepnorm":
+            return (2 * n_layers) ** 0.25
+        return float(self.residual_scale)
+
+
+@dataclass(frozen=True)
+class Override:
+    """Use ``block`` instead of the placement's block for the first ``first_n`` blocks, or for the
+    first ⌊``first_fraction``·L⌋ blocks. Exactly one of the two is set."""
+
+    block: BlockSpec
+    first_n: int | None = None
+    first_fraction: float | None = None
+
+    def validate(self, where: str) -> None:
+        if (self.first_n is None) == (self.first_fraction is None):
+            raise ConfigError(f"{where}: set exactly one of first_n, first_fraction")
+        if self.first_n is not None and self.first_n < 0:
+            raise ConfigError(f"{where}.first_n={self.first_n} must be >= 0")
+        if self.first_fraction is not None and not 0.0 <= self.first_fraction <= 1.0:
+            raise ConfigError(f"{where}.first_fraction={self.first_fraction} must be in [0, 1]")
+        self.block.validate(f"{where}.block")
+
+    def count(self, n_layers: int) -> int:
+        if self.first_n is not None:
+            return min(self.first_n, n_layers)
+        return math.floor(self.first_fraction * n_layers)  # type: ignore[operator]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the norms go, for a whole model. ``init`` is the paper's default init for it."""
+
+    name: str
+    block: BlockSpec
+    overrides: tuple[Override, ...] = ()
+    embed_norm: bool = False
+    final_norm: bool = True
+    init: str = "normal"
+    summary: str = ""
+    source: str = ""
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+
+    def validate(self) -> Placement:
+        where = f"placement[{self.name}]"
+        self.block.validate(f"{where}.block")
+        for i, o in enumerate(self.overrides):
+            o.validate(f"{where}.overrides[{i}]")
+        _choice(f"{where}.init", self.init, INITS)
+        return self
+
+    def block_for(self, layer: int, n_layers: int) -> BlockSpec:
+        """The spec of block ``layer`` (0-based); the first override that covers it wins."""
+        for o in self.overrides:
+            if layer < o.count(n_layers):
+                return o.block
+        return self.block
+
+    def blocks(self, n_layers: int) -> list[BlockSpec]:
+        return [self.block_for(i, n_layers) for i in range(n_layers)]
+
+    def replace_blocks(self, **changes: Any) -> Placement:
+        """The same placement with ``changes`` applied to every BlockSpec (main and overrides),
+        e.g. ``get("hybridnorm").replace_blocks(qkv_norm_scope="full")``."""
+        return dataclasses.replace(
+            self,
+            block=dataclasses.replace(self.block, **changes),
+            overrides=tuple(dataclasses.replace(o, block=dataclasses.replace(o.block, **changes))
+                            for o in self.overrides),
+        ).validate()
+
+    # -- serialization: plain dicts of builtins, so YAML/JSON round-trip without any code execution --
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("aliases")
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Placement:
+        d = dict(d)
+        where = f"placement[{d.get('name', '?')}]"
+        _known(where, d, Placement)
+        d.pop("aliases", None)
+        d["block"] = _block_from_dict(f"{where}.block", d.get("block", {}))
+        overrides = []
+        for i, o in enumerate(d.get("overrides", ())):
+            o = dict(o)
+            _known(f"{where}.overrides[{i}]", o, Override)
+            o["block"] = _block_from_dict(f"{where}.overrides[{i}].block", o.get("block", {}))
+            overrides.append(Override(**o))
+        d["overrides"] = tuple(overrides)
+        return Placement(**d).validate()
+
+
+def _known(where: str, d: dict[str, Any], cls: type) -> None:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in d:
+        if key not in names:
+            raise ConfigError(f"{where}: unknown field {key!r}; valid fields: {', '.join(sorted(names))}")
+
+
+def _block_from_dict(where: str, d: dict[str, Any] | BlockSpec) -> BlockSpec:
+    if isinstance(d, BlockSpec):
+        return d
+    d = dict(d)
+    _known(where, d, BlockSpec)
+    for part in ("attn", "ffn"):
+        if part in d and not isinstance(d[part], SublayerSpec):
+            _known(f"{where}.{part}", d[part], SublayerSpec)
+            d[part] = SublayerSpec(**d[part])
+    return BlockSpec(**d)
