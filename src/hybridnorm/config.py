@@ -65,7 +65,7 @@ class ModelConfig:
     placement: str | dict[str, Any] | Placement = "hybridnorm_star"
     norm: str = "rms"                      # rms | layer | dyt
     norm_eps: float = 1e-5
-    init: str = "default"                  # default (the placement's) | normal | megatron | depth_scaled | deepnorm
+    init: str = "default"                  # "default" (the placement's) or one of placements.spec.INITS
     init_std: float | None = None          # None: 1/sqrt(2.5 d)
     pad_vocab_multiple: int = 1            # embedding rows rounded up to a multiple of this
     moe: MoEConfig | None = None

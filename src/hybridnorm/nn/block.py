@@ -56,7 +56,7 @@ class Block(nn.Module):
         h = op(u)
         if out_norm is not None:
             h = out_norm(h)
-        skip = s if spec.skip == "input" else u if spec.skip == "normed" else x if spec.skip == "block" else x + s
+        skip = {"input": s, "normed": u, "block": x}.get(spec.skip) if spec.skip != "block+input" else x + s
         if self.alpha != 1.0:
             skip = self.alpha * skip
         if self.beta != 1.0:
@@ -68,6 +68,7 @@ class Block(nn.Module):
         def attn(u: Tensor) -> Tensor:
             return self.attn(u, cos, sin, cache, self.layer)
 
-        y = self._sublayer(x, x, self.spec.attn, attn, self.attn_norm, self.attn_out_norm, self.attn_post_norm)
-        return self._sublayer(y, x, self.spec.ffn, self.ffn, self.ffn_norm, self.ffn_out_norm,
-                              self.ffn_post_norm)
+        y = self._sublayer(x, x, self.spec.attn, attn,
+                           self.attn_norm, self.attn_out_norm, self.attn_post_norm)  # (B, T, d)
+        return self._sublayer(y, x, self.spec.ffn, self.ffn,
+                              self.ffn_norm, self.ffn_out_norm, self.ffn_post_norm)

@@ -40,11 +40,11 @@ def init_weights(model: nn.Module, scheme: str, std: float) -> None:
     d_model = model.embed.weight.shape[1]
     beta = deepnorm_beta(n_layers) if scheme == "deepnorm" else 1.0
     _tn(model.embed.weight, std)
-    for l, block in enumerate(model.blocks, start=1):
+    for depth, block in enumerate(model.blocks, start=1):
         out_std = {
             "normal": std,
             "megatron": std / math.sqrt(2 * n_layers),
-            "depth_scaled": std / math.sqrt(2 * l),
+            "depth_scaled": std / math.sqrt(2 * depth),
             "deepnorm": std * beta,
         }[scheme]
         attn = block.attn

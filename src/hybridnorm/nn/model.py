@@ -54,7 +54,7 @@ class TransformerLM(nn.Module):
 
         ``V`` is ``config.embedding_size`` (the vocab padded to ``pad_vocab_multiple``).
         """
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         start = cache.pos if cache is not None else 0
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
