@@ -164,14 +164,22 @@ class ModelConfig:
 
     @classmethod
     def from_yaml(cls, text: str) -> ModelConfig:
-        return cls.from_dict(yaml.safe_load(text))
+        try:
+            data = yaml.safe_load(text)  # safe: no tags that construct objects
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config is not valid yaml: {e}") from None
+        return cls.from_dict(data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config is not valid json: {e}") from None
+        return cls.from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> ModelConfig:
@@ -183,8 +191,8 @@ class ModelConfig:
             raise ConfigError(f"cannot read config file {path}: {e}") from None
         try:
             return cls.from_json(text) if path.suffix == ".json" else cls.from_yaml(text)
-        except (yaml.YAMLError, json.JSONDecodeError) as e:
-            raise ConfigError(f"config file {path} is not valid {path.suffix[1:] or 'YAML'}: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

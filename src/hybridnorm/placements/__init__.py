@@ -13,3 +13,16 @@ __all__ = [
     "GRAMMAR", "PAPER_NAMES", "BlockSpec", "Override", "Placement", "SublayerSpec", "aliases",
     "block_equations", "equations", "get", "names", "one_line", "parse", "register",
 ]
+
+
+def _document() -> None:
+    """Append every preset's equations to this module's docstring (``help(hybridnorm.placements)``)."""
+    lines = ["", "Presets (generated from the registry):", ""]
+    for key in names():
+        lines.append(f"    {key}:")
+        lines += [f"        {line}" for line in equations(get(key))]
+    global __doc__
+    __doc__ = (__doc__ or "") + "\n".join(lines) + "\n"
+
+
+_document()

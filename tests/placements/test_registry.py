@@ -1,0 +1,107 @@
+"""The registry and the paper's grammar: names parse to the specs the paper's notation describes."""
+
+import pytest
+
+from hybridnorm import ConfigError, placements
+from hybridnorm.placements import BlockSpec, Override, Placement, SublayerSpec
+from hybridnorm.placements.docs import render
+
+REQUIRED = {"pre", "post", "post_shifted", "hybridnorm", "hybridnorm_star", "qk_norm", "span", "peri",
+            "olmo2", "deepnorm", "mix_ln", "lns", "b2t", "first_qkv_pre", "embed_norm"}
+
+
+def test_required_presets_registered():
+    assert REQUIRED <= set(placements.names())
+    assert placements.get("sandwich") == placements.get("peri")
+
+
+@pytest.mark.parametrize("name", ["QKV-Post", "qkv-post", "QKV_POST", " qkv-Post "])
+def test_grammar_is_case_and_separator_insensitive(name):
+    assert placements.get(name).block == placements.get("hybridnorm").block
+
+
+@pytest.mark.parametrize(
+    ("name", "attn", "letters", "ffn"),
+    [
+        ("QKVC-Post", SublayerSpec(), "QKVC", SublayerSpec(in_norm=True, skip="normed")),
+        ("KC-Post", SublayerSpec(), "KC", SublayerSpec(in_norm=True, skip="normed")),
+        ("Pre-QKV-Pre", SublayerSpec(in_norm=True), "QKV", SublayerSpec(in_norm=True)),
+        ("Pre-QK-Pre", SublayerSpec(in_norm=True), "QK", SublayerSpec(in_norm=True)),
+        ("QKV-Pre", SublayerSpec(), "QKV", SublayerSpec(in_norm=True)),
+        ("Post-Pre", SublayerSpec(in_norm=True, skip="normed"), "", SublayerSpec(in_norm=True)),
+        ("Pre-Post", SublayerSpec(in_norm=True), "", SublayerSpec(in_norm=True, skip="normed")),
+        ("CKQ-Pre", SublayerSpec(), "QKC", SublayerSpec(in_norm=True)),  # letters canonicalised
+    ],
+)
+def test_grammar_parses_to_spec(name, attn, letters, ffn):
+    block = placements.get(name).block
+    assert (block.attn, block.qkv_norm, block.ffn) == (attn, letters, ffn)
+
+
+def test_all_paper_names_parse_and_render():
+    for name in placements.PAPER_NAMES:
+        assert "Y = " in placements.one_line(placements.get(name))
+
+
+@pytest.mark.parametrize("bad", ["foo", "QKX-Post", "QQ-Post", "Pre-Pre-Pre", "QKV", "Pre-QKV-Mid", ""])
+def test_bad_names_list_valid_choices(bad):
+    with pytest.raises(ConfigError) as e:
+        placements.get(bad)
+    msg = str(e.value)
+    assert "hybridnorm" in msg and "QKV-Post" in msg  # names the presets and the grammar
+
+
+def test_equations_match_paper_notation():
+    eq = placements.block_equations
+    assert eq(placements.get("pre").block) == "Y = X + MHA(N(X));  X' = Y + FFN(N(Y))"
+    assert eq(placements.get("post").block) == "Y = N(X + MHA(X));  X' = N(Y + FFN(Y))"
+    assert eq(placements.get("hybridnorm").block) == "Y = X + MHA_QKV(X);  X' = N(Y) + FFN(N(Y))"
+    assert eq(placements.get("Post-Pre").block) == "Y = N(X) + MHA(N(X));  X' = Y + FFN(N(Y))"
+    assert eq(placements.get("span").block) == "Y = N(X + MHA(X));  X' = N(X + FFN(Y))"
+    assert eq(placements.get("b2t").block) == "Y = N(X + MHA(X));  X' = N(X + Y + FFN(Y))"
+    star = placements.equations(placements.get("hybridnorm_star"))
+    assert star[0] == "block 1: Y = X + MHA_QKV(N(X));  X' = Y + FFN(N(Y))"
+
+
+def test_per_layer_overrides():
+    mix = placements.get("mix_ln")
+    blocks = mix.blocks(8)
+    assert blocks[:2] == [placements.get("post").block] * 2
+    assert blocks[2:] == [placements.get("pre").block] * 6
+    star = placements.get("hybridnorm_star").blocks(3)
+    assert star[0].attn.in_norm and star[0].qkv_norm == "QKV" and not star[1].attn.in_norm
+    assert placements.get("deepnorm").block.alpha(6) == pytest.approx(12 ** 0.25)
+
+
+def test_spec_round_trips_through_dict():
+    for name in placements.names():
+        p = placements.get(name)
+        assert Placement.from_dict(p.to_dict()) == p
+
+
+def test_invalid_specs_name_the_field():
+    with pytest.raises(ConfigError, match=r"attn\.skip='normed' needs .*in_norm"):
+        Placement("x", BlockSpec(attn=SublayerSpec(skip="normed"))).validate()
+    with pytest.raises(ConfigError, match=r"qkv_norm_scope='wide' is not one of 'head', 'full'"):
+        placements.get("hybridnorm").replace_blocks(qkv_norm_scope="wide")
+    with pytest.raises(ConfigError, match=r"qkv_norm='QX'"):
+        Placement("x", BlockSpec(qkv_norm="QX")).validate()
+    with pytest.raises(ConfigError, match="exactly one of first_n, first_fraction"):
+        Placement("x", BlockSpec(), overrides=(Override(BlockSpec()),)).validate()
+    with pytest.raises(ConfigError, match="unknown field 'blok'"):
+        Placement.from_dict({"name": "x", "blok": {}})
+
+
+def test_register_rejects_duplicates():
+    with pytest.raises(ConfigError, match="already registered"):
+        placements.register(Placement("pre", BlockSpec()))
+
+
+def test_docs_are_generated_from_registry():
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "placements.md"
+    assert doc.read_text(encoding="utf-8") == render(), \
+        "docs/placements.md is stale: python -m hybridnorm.placements.docs > docs/placements.md"
+    for name in placements.names():
+        assert f"### `{name}`" in render()

@@ -1,0 +1,116 @@
+"""ModelConfig: validation names the field, YAML/JSON round-trips, size presets match the paper."""
+
+import pytest
+import torch
+
+import hybridnorm as hn
+from hybridnorm import ConfigError, ModelConfig
+
+# SCHEMES.md / paper Table 9 (embedding padded to 100352), in millions.
+PAPER_PARAMS = {"151m": 151.4, "285m": 285.2, "550m": 550.5, "543m-deep": 543.7, "1.2b": 1277.0}
+
+
+@pytest.mark.parametrize("size", sorted(PAPER_PARAMS))
+@pytest.mark.parametrize("placement", ["pre", "hybridnorm_star"])
+def test_size_presets_match_paper_param_counts(size, placement):
+    model = ModelConfig.from_preset(size, placement=placement).build("meta")
+    assert model.num_params() / 1e6 == pytest.approx(PAPER_PARAMS[size], abs=0.06)
+
+
+def test_moe_preset_param_counts():
+    model = ModelConfig.from_preset("moe-1b-7b", placement="hybridnorm_star").build("meta")
+    assert model.num_params() / 1e9 == pytest.approx(6.9, abs=0.05)           # total
+    assert model.num_params(active=True) / 1e9 == pytest.approx(1.3, abs=0.05)  # top-8 of 64 active
+
+
+def test_embedding_padding():
+    cfg = ModelConfig.from_preset("151m")
+    assert (cfg.vocab_size, cfg.embedding_size) == (100278, 100352)
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "json"])
+def test_round_trip(fmt, tmp_path):
+    cfg = ModelConfig.from_preset("tiny-moe", placement="Pre-QKV-Post", norm="layer", init="depth_scaled")
+    text = cfg.to_yaml() if fmt == "yaml" else cfg.to_json()
+    again = ModelConfig.from_yaml(text) if fmt == "yaml" else ModelConfig.from_json(text)
+    assert again == cfg
+    path = tmp_path / f"c.{fmt}"
+    cfg.save(path)
+    assert ModelConfig.load(path) == cfg
+
+
+def test_custom_placement_round_trips_and_builds():
+    spec = hn.placements.get("hybridnorm").replace_blocks(qkv_norm_scope="full", qkv_norm_order="after_rope")
+    cfg = ModelConfig.from_preset("tiny", placement=spec)
+    again = ModelConfig.from_yaml(cfg.to_yaml())
+    assert again.resolved_placement() == spec
+    assert again.build().blocks[0].attn.q_norm.weight.shape == (64,)  # full width: H * D
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (dict(n_heads=5), r"n_heads=5 must divide d_model=64"),
+        (dict(n_kv_heads=3), r"n_kv_heads=3 must be >= 1 and divide n_heads=4"),
+        (dict(d_model=-8), r"d_model=-8 must be a positive integer"),
+        (dict(n_layers=0), r"n_layers=0 must be a positive integer"),
+        (dict(placement="hybridnrom"), r"placement: placement 'hybridnrom' is not a preset \(b2t, "),
+        (dict(norm="batch"), r"norm='batch' is not one of 'rms', 'layer', 'dyt'"),
+        (dict(init="xavier"), r"init='xavier' is not one of 'default', 'normal', 'megatron'"),
+        (dict(moe=dict(num_experts=4, top_k=5)), r"moe\.top_k=5 must be in \[1, num_experts=4\]"),
+        (dict(moe=dict(num_experts=4, topk=2)), r"moe: unknown field 'topk'"),
+        (dict(d_modle=64), r"unknown field 'd_modle'; valid fields: .*d_model"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        ModelConfig.from_preset("tiny", **overrides)
+
+
+def test_unknown_size_lists_choices():
+    with pytest.raises(ConfigError, match=r"size 'huge' is not one of tiny, small"):
+        ModelConfig.from_preset("huge")
+
+
+def test_bad_config_file_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("d_model: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: config is not valid yaml"):
+        ModelConfig.load(bad)
+    with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
+        ModelConfig.load(tmp_path / "missing.yaml")
+
+
+def test_yaml_config_text_cannot_run_code():
+    with pytest.raises(ConfigError):
+        ModelConfig.from_yaml("!!python/object/apply:os.system ['echo pwned']")
+
+
+@pytest.mark.parametrize(
+    ("scheme", "out_std"),
+    [("normal", 1.0), ("megatron", 1 / 8 ** 0.5), ("depth_scaled", None), ("deepnorm", (8 * 4) ** -0.25)],
+)
+def test_init_schemes(scheme, out_std):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, ffn_hidden_size=512,
+                      placement="pre", init=scheme, tie_embeddings=False)
+    model = hn.TransformerLM(cfg)
+    sigma = 1 / (2.5 * 256) ** 0.5
+    assert cfg.std == pytest.approx(sigma)
+    for depth, block in enumerate(model.blocks, start=1):
+        expect = sigma * (out_std if out_std is not None else 1 / (2 * depth) ** 0.5)
+        for w in (block.attn.w_o.weight, block.ffn.w_out.weight):
+            assert w.std().item() == pytest.approx(expect, rel=0.08)
+            assert w.abs().max().item() <= 3 * expect + 1e-7  # truncated at 3σ
+        q_rows = block.attn.w_qkv.weight[:256]
+        assert q_rows.std().item() == pytest.approx(sigma, rel=0.08)
+    head_std = 1 / 256 ** 0.5 if scheme in ("megatron", "depth_scaled") else sigma
+    assert model.lm_head.weight.std().item() == pytest.approx(head_std, rel=0.08)
+    assert all(torch.all(n.weight == 1) for n in model.modules() if isinstance(n, hn.nn.RMSNorm))
+
+
+def test_default_init_follows_placement():
+    assert ModelConfig.from_preset("tiny", placement="pre").resolved_init() == "normal"
+    assert ModelConfig.from_preset("tiny", placement="hybridnorm_star").resolved_init() == "megatron"
+    assert ModelConfig.from_preset("tiny", placement="deepnorm").resolved_init() == "deepnorm"
+    assert ModelConfig.from_preset("tiny", placement="pre", init="megatron").resolved_init() == "megatron"
