@@ -114,3 +114,13 @@ def test_default_init_follows_placement():
     assert ModelConfig.from_preset("tiny", placement="hybridnorm_star").resolved_init() == "megatron"
     assert ModelConfig.from_preset("tiny", placement="deepnorm").resolved_init() == "deepnorm"
     assert ModelConfig.from_preset("tiny", placement="pre", init="megatron").resolved_init() == "megatron"
+
+
+def test_shipped_yaml_configs_load():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs" / "model").glob("*.yaml"))
+    assert files
+    for f in files:
+        cfg = ModelConfig.load(f)
+        assert cfg.to_dict() == ModelConfig.from_yaml(cfg.to_yaml()).to_dict()
