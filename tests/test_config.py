@@ -75,9 +75,9 @@ def test_unknown_size_lists_choices():
 def test_bad_config_file_names_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("d_model: [1, 2\n")
-    with pytest.raises(ConfigError, match="bad.yaml: config is not valid yaml"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: config is not valid yaml"):
         ModelConfig.load(bad)
-    with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
+    with pytest.raises(ConfigError, match=r"cannot read config file .*missing\.yaml"):
         ModelConfig.load(tmp_path / "missing.yaml")
 
 
