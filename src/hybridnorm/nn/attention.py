@@ -77,12 +77,12 @@ class Attention(nn.Module):
 
     def _qk_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         if self.q_norm is not None:
-            q = self._apply(self.q_norm, q)
+            q = self._norm(self.q_norm, q)
         if self.k_norm is not None:
-            k = self._apply(self.k_norm, k)
+            k = self._norm(self.k_norm, k)
         return q, k
 
-    def _apply(self, norm: nn.Module, x: Tensor) -> Tensor:
+    def _norm(self, norm: nn.Module, x: Tensor) -> Tensor:
         """Norm x (B, T, h, D) per head, or over all h·D features for scope ``full``."""
         if self.scope == "head":
             return norm(x)
@@ -95,7 +95,7 @@ class Attention(nn.Module):
         qkv = self.w_qkv(x).view(B, T, H + 2 * Hkv, D)
         q, k, v = qkv.split((H, Hkv, Hkv), dim=2)  # (B, T, h, D)
         if self.v_norm is not None:
-            v = self._apply(self.v_norm, v)
+            v = self._norm(self.v_norm, v)
         if self.order == "before_rope":
             q, k = self._qk_norms(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -116,5 +116,5 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kw)  # (B, H, T, D)
         y = y.transpose(1, 2)  # (B, T, H, D)
         if self.c_norm is not None:
-            y = self._apply(self.c_norm, y)
+            y = self._norm(self.c_norm, y)
         return self.w_o(y.reshape(B, T, H * D))

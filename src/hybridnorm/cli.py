@@ -1,0 +1,143 @@
+"""``hybridnorm`` command line: train, generate, eval, placements.
+
+Bad input (missing file, corrupt checkpoint, config typo, vocab mismatch …) prints ONE line
+``error: …`` and exits 2; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from hybridnorm.errors import ConfigError
+
+EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
+
+
+def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.config import SIZES
+    from hybridnorm.train.config import TrainConfig, apply_overrides
+    from hybridnorm.train.trainer import train
+
+    overrides = list(extra)
+    if args.size:
+        if args.size.lower() not in SIZES:
+            raise ConfigError(f"--size {args.size!r} is not one of {', '.join(SIZES)}")
+        size = dict(SIZES[args.size.lower()])
+        overrides = [f"--model.{k}={v}" for k, v in size.items() if k not in ("moe", "vocab_size")] + overrides
+        if "moe" in size:
+            overrides.insert(0, f"--model.moe={size['moe']}")
+    if args.placement:
+        overrides.append(f"--model.placement={args.placement}")
+    if args.max_steps is not None:
+        overrides.append(f"--max_steps={args.max_steps}")
+    if args.out:
+        overrides.append(f"--out_dir={args.out}")
+    cfg = TrainConfig.load(args.config, overrides) if args.config else \
+        TrainConfig.from_dict(apply_overrides({}, overrides))
+    result = train(cfg, resume=args.resume)
+    if result.diverged:
+        return EXIT_DIVERGED
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    if result.val_loss is not None and result.unigram_entropy is not None:
+        print(f"final: step {result.step}, train loss {result.train_loss:.4f}, val loss {result.val_loss:.4f} "
+              f"(val ppl {math.exp(result.val_loss):.2f}); unigram entropy {result.unigram_entropy:.4f} nats; "
+              f"run folder {result.run_dir}")
+    return 0
+
+
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    import torch
+
+    from hybridnorm.train.load import load_run
+
+    run = load_run(args.checkpoint)
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = run.tokenizer.encode(args.prompt) or [run.tokenizer.eot_id]
+    out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, generator=gen)
+    print(run.tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+def _eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.train.load import evaluate_run, load_run
+
+    run = load_run(args.checkpoint)
+    loss, n_tokens = evaluate_run(run, args.data, batch_size=args.batch_size, seq_len=args.seq_len,
+                                  max_batches=args.batches)
+    print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
+          f"of {args.data or run.config.data.source}")
+    return 0
+
+
+def _placements(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm import placements
+
+    width = max(map(len, placements.names()))
+    for name in placements.names():
+        print(f"{name:<{width}}  {placements.one_line(placements.get(name))}")
+    if args.all:
+        print(f"\nGrammar: {placements.GRAMMAR}\n")
+        for name in placements.PAPER_NAMES:
+            print(f"{name:<14}  {placements.one_line(placements.get(name))}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hybridnorm", description="Normalization placements for decoder-only LMs.")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (default: small HybridNorm* on the embedded KJV corpus)",
+                       description="Extra --key=value options override any config field, e.g. --optim.lr=1e-3 "
+                                   "--model.n_layers=8 --precision=fp32.")
+    t.add_argument("config", nargs="?", help="YAML train config (optional)")
+    t.add_argument("--size", help="model size preset (tiny, small, 151m, 550m, ...)")
+    t.add_argument("--placement", help="placement preset or grammar name (see `hybridnorm placements`)")
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--out", help="run folder (default runs/default)")
+    t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    t.set_defaults(func=_train)
+
+    g = sub.add_parser("generate", help="sample text from a run folder or checkpoint")
+    g.add_argument("checkpoint")
+    g.add_argument("--prompt", default="In the beginning")
+    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=_generate)
+
+    e = sub.add_parser("eval", help="validation loss / perplexity of a checkpoint on a corpus")
+    e.add_argument("checkpoint")
+    e.add_argument("--data", help="corpus (default: the run's own validation split)")
+    e.add_argument("--batches", type=int, default=50)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--seq-len", type=int)
+    e.set_defaults(func=_eval)
+
+    p = sub.add_parser("placements", help="list placement presets with their equations")
+    p.add_argument("--all", action="store_true", help="also the paper's grammar names")
+    p.set_defaults(func=_placements)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args, extra)
+    except (ConfigError, FileNotFoundError, UnicodeDecodeError, ValueError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Where metrics go: ``metrics.jsonl`` and TensorBoard events in the run folder, and a `rich` display.
+
+Only rank 0 logs. On a terminal the display is a live progress bar with the latest step, loss, grad
+norm, LR, tokens/s, MFU and ETA; elsewhere (CI, a log file) it prints one line per log interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, enabled: bool = True,
+                 tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self.console = Console(stderr=True, soft_wrap=True)
+        self.total, self.start_time = total_steps, time.perf_counter()
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step or None)
+            except ImportError:
+                self.console.print("[yellow]tensorboard is not installed: metrics go to metrics.jsonl only")
+        self.live = self.console.is_terminal
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+            TimeRemainingColumn(), console=self.console, disable=not self.live)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+        self.progress.start()
+
+    def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": step, "time": round(time.perf_counter() - self.start_time, 3), **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+        line = self._line(step, kind, metrics)
+        if kind == "train" and self.live:
+            self.progress.update(self.task, completed=step, stats=line)
+        else:
+            self.console.print(line, highlight=False, markup=False)
+
+    @staticmethod
+    def _line(step: int, kind: str, m: dict[str, Any]) -> str:
+        if kind == "eval":
+            return f"[eval] step {step}: val_loss {m['val_loss']:.4f}  val_ppl {m['val_ppl']:.2f}"
+        if kind != "train":
+            return f"[{kind}] step {step}: " + "  ".join(f"{k} {v}" for k, v in m.items())
+        return (f"step {step}  loss {m['loss']:.4f}  gnorm {m['grad_norm']:.3f}  lr {m['lr']:.2e}  "
+                f"tok/s {m['tokens_per_s']:,.0f}  MFU {100 * m['mfu']:.1f}%")
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.progress.stop()
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

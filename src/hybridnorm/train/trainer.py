@@ -1,0 +1,233 @@
+"""The training loop: one function, :func:`train`, from a :class:`TrainConfig` to a run folder.
+
+Per optimizer step: LR from the schedule → ``grad_accum`` micro-batches (bf16 autocast if asked; DDP
+syncs only on the last) → clip → non-finite guard → AdamW → log / eval / checkpoint. SIGINT and
+SIGTERM finish the current step, save a checkpoint and return ``interrupted``. ``resume=True``
+continues from the newest good checkpoint of ``out_dir`` exactly: weights, optimizer, RNG, data
+position and step, so N + N resumed steps reproduce 2N uninterrupted steps bitwise on CPU.
+
+Run folder: ``config.yaml`` (resolved), ``metrics.jsonl``, ``tb/``, ``checkpoints/step_*``,
+``tokenizer.json``; ``divergence.json`` if the guard stopped the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hybridnorm.data import TokenBatches, prepare_data, val_batches
+from hybridnorm.errors import ConfigError
+from hybridnorm.nn.model import TransformerLM, lm_loss
+from hybridnorm.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.distributed import (
+    Dist,
+    all_reduce_max,
+    all_reduce_mean,
+    barrier,
+    init_distributed,
+    resolve_device,
+)
+from hybridnorm.train.flops import flops_per_token, measured_peak_flops
+from hybridnorm.train.logger import MetricsLogger
+from hybridnorm.train.optim import build_optimizer, lr_at, set_lr
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    train_loss: float
+    val_loss: float | None
+    unigram_entropy: float | None
+    interrupted: bool = False
+    diverged: bool = False
+
+
+class _StopFlag:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then saves and returns)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: leave handlers alone
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    if cfg.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: TransformerLM, tokens, cfg: TrainConfig, device: torch.device, d: Dist) -> float:
+    """Mean next-token loss over the first ``eval_batches`` validation windows (split across ranks)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for x, y in val_batches(tokens, cfg.batch_size, cfg.seq_len, cfg.eval_batches, d.rank, d.world_size):
+        with _autocast(cfg, device):
+            loss = lm_loss(model(x.to(device)), y.to(device))
+        total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
+    if d.enabled:
+        torch.distributed.all_reduce(total)
+    model.train(was_training)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> Path | None:
+    ckpt = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise ConfigError(f"run folder {run_dir} already has checkpoints: pass --resume to continue it "
+                          f"or choose another --out")
+    return ckpt
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> TrainResult:
+    cfg.validate()
+    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    d = init_distributed(device)
+    if device.type == "cpu" and d.enabled:  # share the cores between the local processes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    run_dir = Path(cfg.out_dir)
+    ckpt = _check_run_dir(run_dir, resume)
+
+    # Data: rank 0 tokenizes into the shared cache while the others wait, then everyone maps the files.
+    if d.is_main:
+        data = prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
+                            cache_dir=cfg.data.cache_dir)
+    barrier(d)
+    if not d.is_main:
+        data = prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
+                            cache_dir=cfg.data.cache_dir)
+    vocab = data.tokenizer.vocab_size
+    if cfg.model.vocab_size != vocab:  # the model's vocab always follows the tokenizer's
+        cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    train_tokens, val_tokens = data.train_tokens(), data.val_tokens()
+
+    torch.manual_seed(cfg.seed)
+    model = TransformerLM(cfg.model).to(device)
+    optimizer = build_optimizer(model, cfg.optim)
+    batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,
+                           world_size=d.world_size)
+    state = TrainState()
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, optimizer)
+        batches.load_state_dict(state.data)
+    if d.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+        data.tokenizer.save(run_dir)
+    log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main and not quiet)
+    log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
+                f"vocab {vocab}; data: {cfg.data.source} ({len(train_tokens):,} train / {len(val_tokens):,} "
+                f"val tokens); unigram entropy {data.stats.unigram_entropy:.3f} nats"
+                + (f"; resumed from {ckpt}" if ckpt else ""))
+
+    step_model: torch.nn.Module = model  # `model` stays the raw module: checkpoints, eval, clipping
+    if cfg.compile:
+        step_model = torch.compile(model)
+    if d.enabled:
+        step_model = DDP(step_model, device_ids=[device.index] if device.type == "cuda" else None,
+                         find_unused_parameters=model.is_moe)  # an expert may get no tokens
+    peak = measured_peak_flops(str(device), torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
+    fpt = flops_per_token(model, cfg.seq_len)
+    global_tokens = cfg.tokens_per_step * d.world_size
+
+    def save() -> None:
+        state.data = batches.state_dict()
+        if d.is_main:
+            save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last)
+        barrier(d)
+
+    result = TrainResult(run_dir, state.step, float("nan"), None, data.stats.unigram_entropy)
+    t_start, tick, last_step = time.perf_counter(), time.perf_counter(), state.step
+    model.train()
+    with _StopFlag() as stop:
+        while state.step < cfg.max_steps:
+            set_lr(optimizer, lr := lr_at(state.step, cfg.optim, cfg.max_steps))
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                x, y = (t.to(device) for t in next(batches))
+                sync = contextlib.nullcontext() if (not d.enabled or micro == cfg.grad_accum - 1) \
+                    else step_model.no_sync()
+                with sync, _autocast(cfg, device):
+                    logits, aux = step_model(x, return_aux=True)
+                    loss = lm_loss(logits, y)
+                    total = loss + aux["aux_loss"] if aux else loss
+                    (total / cfg.grad_accum).backward()
+                loss_sum += loss.detach()
+            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            loss_avg = all_reduce_mean(loss_sum / cfg.grad_accum, d)
+            if not (math.isfinite(loss_avg.item()) and math.isfinite(grad_norm.item())):
+                _report_divergence(run_dir, state.step, loss_avg.item(), grad_norm.item(), model, d, log)
+                result.diverged = True
+                break
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.tokens += global_tokens
+            result.train_loss = loss_avg.item()
+
+            if state.step % cfg.log_interval == 0 or state.step == cfg.max_steps:
+                now = time.perf_counter()
+                tps = global_tokens * (state.step - last_step) / max(now - tick, 1e-9)
+                tick, last_step = now, state.step
+                metrics = {"loss": result.train_loss, "grad_norm": grad_norm.item(), "lr": lr,
+                           "tokens": state.tokens, "tokens_per_s": tps, "mfu": tps * fpt / peak}
+                if aux:
+                    metrics.update({k: all_reduce_mean(v.detach(), d).item() for k, v in aux.items()})
+                log.log(state.step, metrics)
+            if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
+                result.val_loss = evaluate(model, val_tokens, cfg, device, d)
+                log.log(state.step, {"val_loss": result.val_loss, "val_ppl": math.exp(min(result.val_loss, 50))},
+                        "eval")
+            out_of_time = cfg.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.max_minutes
+            stop_now = all_reduce_max(torch.tensor(float(stop.signal is not None or out_of_time)), d).item() > 0
+            if state.step % cfg.ckpt_interval == 0 or state.step == cfg.max_steps or stop_now:
+                save()
+            if stop_now:
+                result.interrupted = stop.signal is not None
+                log.message(f"stopped at step {state.step}" + (" (signal)" if stop.signal else " (time limit)")
+                            + f"; checkpoint saved in {run_dir / 'checkpoints'}")
+                break
+    result.step = state.step
+    log.close()
+    return result
+
+
+def _report_divergence(run_dir: Path, step: int, loss: float, grad_norm: float, model: torch.nn.Module,
+                       d: Dist, log: MetricsLogger) -> None:
+    """Write ``divergence.json`` naming the first parameter whose gradient is not finite."""
+    first_bad = next((name for name, p in model.named_parameters()
+                      if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+    report = {"step": step, "loss": loss, "grad_norm": grad_norm, "first_nonfinite_grad": first_bad,
+              "last_checkpoint": str(latest_checkpoint(run_dir / "checkpoints"))}
+    if d.is_main:
+        (run_dir / "divergence.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    log.message(f"[red]non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}, "
+                f"first bad grad: {first_bad}); stopped without stepping — the last checkpoint is intact. "
+                f"Report: {run_dir / 'divergence.json'}")
