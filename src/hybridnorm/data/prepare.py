@@ -1,0 +1,167 @@
+"""One call from a source name to memory-mapped train/val tokens, a tokenizer and corpus statistics.
+
+A prepared dataset is a folder ``<cache_dir>/<source key>-<tokenizer key>/`` holding ``tokenizer.json``,
+``train.bin``, ``val.bin`` (with sidecars) and ``meta.json``, written last, as the commit marker. For local
+sources (the KJV included) the key comes from file names, sizes and mtimes, so a warm call reads nothing
+but ``meta.json`` and the sidecars; ``hf:`` sources are loaded and hashed each time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hybridnorm.data.corpus import Corpus, load_corpus, source_fingerprint
+from hybridnorm.data.tokenizer import (
+    KINDS,
+    ByteTokenizer,
+    Tokenizer,
+    atomic_write,
+    check_vocab_size,
+    file_lock,
+    load_or_train_bpe,
+    load_tokenizer,
+    resolve_cache_dir,
+)
+from hybridnorm.data.tokens import open_tokens, tokenize_to_memmap, unigram_entropy
+from hybridnorm.errors import ConfigError
+
+FORMAT = "hybridnorm-prepared"
+VERSION = 1
+
+
+@dataclass
+class DataStats:
+    train_docs: int
+    val_docs: int
+    train_chars: int
+    val_chars: int
+    train_tokens: int  # eots included
+    val_tokens: int
+    unigram_entropy: float  # nats/token of val under the Laplace-smoothed train unigram distribution
+    build_seconds: dict[str, float] = field(default_factory=dict)  # of the cold build; {} if unknown
+
+    @property
+    def chars_per_token(self) -> float:
+        return self.train_chars / max(1, self.train_tokens - self.train_docs)
+
+
+@dataclass
+class PreparedData:
+    source: str
+    dir: Path
+    tokenizer: Tokenizer
+    stats: DataStats
+    cached: bool  # True: this call found the folder ready and built nothing
+
+    @property
+    def train_path(self) -> Path:
+        return self.dir / "train.bin"
+
+    @property
+    def val_path(self) -> Path:
+        return self.dir / "val.bin"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def eot_id(self) -> int:
+        return self.tokenizer.eot_id
+
+    def train_tokens(self) -> np.ndarray:
+        return open_tokens(self.train_path, self.vocab_size, self.tokenizer.fingerprint)
+
+    def val_tokens(self) -> np.ndarray:
+        return open_tokens(self.val_path, self.vocab_size, self.tokenizer.fingerprint)
+
+    def check_vocab(self, model_vocab_size: int, where: str = "ModelConfig.vocab_size") -> None:
+        """A model must have an embedding row for every token id of this data."""
+        if model_vocab_size < self.vocab_size:
+            raise ConfigError(f"{where}={model_vocab_size} is smaller than the vocab size {self.vocab_size} "
+                              f"of the tokenizer {self.dir / 'tokenizer.json'} (vocab mismatch)")
+
+
+def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", vocab_size: int = 8192,
+                 cache_dir: str | Path | None = None, val_fraction: float = 0.05, text_field: str = "text",
+                 max_docs: int | None = None) -> PreparedData:
+    """Load ``source`` (see :func:`~hybridnorm.data.corpus.load_corpus`), build or reuse its tokenizer
+    (``"bpe"`` with ``vocab_size``, ``"bytes"``, or a ``tokenizer.json`` path) and its token files."""
+    t0 = time.perf_counter()
+    source = os.fspath(source) if isinstance(source, os.PathLike) else source
+    user_tok: Tokenizer | None = None
+    if tokenizer == "bpe":
+        check_vocab_size(vocab_size)
+        tok_key = f"bpe{vocab_size}"
+    elif tokenizer == "bytes":
+        tok_key = "bytes"
+    elif isinstance(tokenizer, (str, Path)) and Path(tokenizer).exists():
+        user_tok = load_tokenizer(tokenizer)
+        tok_key = f"tok{user_tok.fingerprint[:12]}"
+    else:
+        raise ConfigError(f"data.tokenizer={tokenizer!r} is not one of {', '.join(map(repr, KINDS))} "
+                          f"or an existing tokenizer.json path")
+    corpus: Corpus | None = None
+    key = source_fingerprint(source, val_fraction, text_field, max_docs) if isinstance(source, str) else None
+    if key is None:  # hf: (or a bad source, which load_corpus reports): hash the content
+        corpus = load_corpus(source, val_fraction, text_field, max_docs, resolve_cache_dir(cache_dir))
+        key = corpus.fingerprint
+    folder = resolve_cache_dir(cache_dir) / f"{key[:16]}-{tok_key}"
+    with file_lock(folder):
+        ready = _load_ready(folder, source)
+        if ready is not None:
+            return ready
+        times: dict[str, float] = {}
+        t = time.perf_counter()
+        if corpus is None:
+            corpus = load_corpus(source, val_fraction, text_field, max_docs)
+        times["load"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if tokenizer == "bpe":
+            tok = load_or_train_bpe(folder, corpus.train, vocab_size)
+        else:
+            tok = user_tok or ByteTokenizer()
+            tok.save(folder)
+        times["tokenizer"] = time.perf_counter() - t
+        t = time.perf_counter()
+        n_train = tokenize_to_memmap(corpus.train, tok, folder / "train.bin")["count"]
+        n_val = tokenize_to_memmap(corpus.val, tok, folder / "val.bin")["count"]
+        times["tokenize"] = time.perf_counter() - t
+        prepared = PreparedData(source, folder, tok, DataStats(
+            len(corpus.train), len(corpus.val), *corpus.chars, int(n_train), int(n_val), float("nan")), False)
+        t = time.perf_counter()
+        prepared.stats.unigram_entropy = unigram_entropy(prepared.train_tokens(), prepared.val_tokens(),
+                                                         tok.vocab_size)
+        times["entropy"] = time.perf_counter() - t
+        times["total"] = time.perf_counter() - t0
+        prepared.stats.build_seconds = {k: round(v, 3) for k, v in times.items()}
+        meta = {"format": FORMAT, "version": VERSION, "source": source, "corpus": corpus.name,
+                "fingerprint": key, "tokenizer": tok.fingerprint, "tokenizer_kind": tok.kind,
+                "vocab_size": tok.vocab_size, "corpus_meta": corpus.meta, "stats": asdict(prepared.stats)}
+        atomic_write(folder / "meta.json", json.dumps(meta, indent=1))
+        return prepared
+
+
+def _load_ready(folder: Path, source: str) -> PreparedData | None:
+    """The prepared data in ``folder`` if ``meta.json`` and every file it vouches for check out, else None
+    (nothing built yet, or a damaged cache: the caller rebuilds over it)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            return None
+        tok = load_tokenizer(folder, vocab_size=meta["vocab_size"])
+        if tok.fingerprint != meta["tokenizer"]:
+            return None
+        prepared = PreparedData(source, folder, tok, DataStats(**meta["stats"]), True)
+        for path in (prepared.train_path, prepared.val_path):
+            open_tokens(path, tok.vocab_size, tok.fingerprint)
+    except (OSError, ValueError, KeyError, TypeError):  # ConfigError and JSONDecodeError are ValueErrors
+        return None
+    return prepared
+

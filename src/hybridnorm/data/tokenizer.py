@@ -1,0 +1,225 @@
+"""Tokenizers behind one small protocol: a byte-level BPE trained locally with HF ``tokenizers``, or bytes.
+
+Both save to a ``tokenizer.json`` that :func:`load_tokenizer` reads back (the BPE one is the standard HF
+format, so ``transformers.PreTrainedTokenizerFast(tokenizer_file=...)`` reads it too). :func:`get_tokenizer`
+trains a BPE once per corpus and vocabulary size and caches it under
+``<cache_dir>/<corpus fingerprint>-bpe<vocab>/``, the folder that also holds the tokenized data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from hybridnorm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridnorm.data.corpus import Corpus
+
+EOT = "<|endoftext|>"
+EOT_ALIASES: tuple[str, ...] = (EOT, "<|end_of_text|>", "</s>", "<eos>")  # for user-supplied tokenizers
+KINDS: tuple[str, ...] = ("bpe", "bytes")
+MIN_BPE_VOCAB = 257  # 256 byte symbols + <|endoftext|>: no merges at all
+CACHE_FILE_MODE = 0o644  # mkstemp makes 0600 files; a shared cache must be readable by every user
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    kind: str
+    vocab_size: int
+    eot_id: int
+    fingerprint: str  # a hash of the saved form: tokenized data records it to refuse a mismatched tokenizer
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def decode(self, ids: Iterable[int]) -> str: ...
+    def save(self, directory: str | Path) -> Path: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255 and ``<|endoftext|>`` is 256: no training, any text round-trips."""
+
+    kind = "bytes"
+    vocab_size = 257
+    eot_id = 256
+
+    def __init__(self) -> None:
+        self.fingerprint = hashlib.sha256(self._json().encode()).hexdigest()
+
+    def _json(self) -> str:
+        return json.dumps({"type": "hybridnorm-bytes", "version": 1, "vocab_size": 257, "eot_id": 256})
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # eot becomes the visible marker; a window cut inside a multi-byte character decodes to U+FFFD
+        out, buf = [], bytearray()
+        for i in ids:
+            if i == self.eot_id:
+                out.append(buf.decode("utf-8", errors="replace") + EOT)
+                buf.clear()
+            else:
+                buf.append(int(i))
+        return "".join(out) + buf.decode("utf-8", errors="replace")
+
+    def save(self, directory: str | Path) -> Path:
+        return atomic_write(Path(directory) / "tokenizer.json", self._json())
+
+
+class BPETokenizer:
+    """A wrapped ``tokenizers.Tokenizer`` (``.hf``); special tokens inside text are not split."""
+
+    kind = "bpe"
+
+    def __init__(self, hf: object, source: str = "<memory>") -> None:
+        self.hf = hf
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        ids = [hf.token_to_id(t) for t in EOT_ALIASES]
+        if all(i is None for i in ids):
+            raise ConfigError(f"tokenizer {source} has no end-of-text token "
+                              f"(one of {', '.join(EOT_ALIASES)})")
+        self.eot_id: int = next(i for i in ids if i is not None)
+        self.fingerprint = hashlib.sha256(hf.to_str().encode()).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # the _fast variant skips offsets; both run on all cores (RAYON_NUM_THREADS caps them)
+        return [e.ids for e in self.hf.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save(self, directory: str | Path) -> Path:
+        return atomic_write(Path(directory) / "tokenizer.json", self.hf.to_str())
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 8192) -> BPETokenizer:
+    """Byte-level BPE (GPT-2 pre-tokenization) with ``<|endoftext|>`` as id 0; deterministic for fixed
+    ``texts``. The vocabulary reaches ``vocab_size`` unless the text runs out of distinct pairs."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    check_vocab_size(vocab_size)
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = texts if isinstance(texts, Sequence) else list(texts)
+    hf.train_from_iterator(texts, trainer, length=len(texts))
+    return BPETokenizer(hf)
+
+
+def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Tokenizer:
+    """Read a ``tokenizer.json`` (or the folder holding one); ``vocab_size`` given: it must match."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    try:
+        text = file.read_text(encoding="utf-8")
+        head = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read tokenizer file {file}: {e}") from None
+    if isinstance(head, dict) and head.get("type") == "hybridnorm-bytes":
+        tok: Tokenizer = ByteTokenizer()
+    else:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            hf = HFTokenizer.from_str(text)
+        except Exception as e:  # the Rust side raises a bare Exception for a malformed file
+            raise ConfigError(f"tokenizer file {file} is not a tokenizers JSON file: {e}") from None
+        tok = BPETokenizer(hf, source=str(file))
+    if vocab_size is not None and tok.vocab_size != vocab_size:
+        raise ConfigError(f"tokenizer file {file} has vocab size {tok.vocab_size}, expected {vocab_size}")
+    return tok
+
+
+def get_tokenizer(corpus: Corpus, kind: str = "bpe", vocab_size: int = 8192,
+                  cache_dir: str | Path | None = None) -> Tokenizer:
+    """``kind``: "bpe" (trained on ``corpus.train``, cached by fingerprint), "bytes", or a path to a
+    ``tokenizer.json``. A cache hit loads the saved file instead of retraining."""
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind != "bpe":
+        if isinstance(kind, (str, Path)) and Path(kind).exists():
+            return load_tokenizer(kind)
+        raise ConfigError(f"data.tokenizer={kind!r} is not one of {', '.join(map(repr, KINDS))} "
+                          f"or an existing tokenizer.json path")
+    check_vocab_size(vocab_size)
+    folder = resolve_cache_dir(cache_dir) / f"{corpus.fingerprint[:16]}-bpe{vocab_size}"
+    with file_lock(folder):  # DDP ranks preparing at once: one trains, the others load its result
+        return load_or_train_bpe(folder, corpus.train, vocab_size)
+
+
+def load_or_train_bpe(folder: Path, texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """``folder/tokenizer.json`` if it is there (a cache hit), else a BPE trained on ``texts`` and saved
+    there. The caller holds :func:`file_lock` on ``folder``."""
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return load_tokenizer(folder, vocab_size=None)
+        except ConfigError:  # a damaged cache entry: retrain over it
+            pass
+    tok = train_bpe(texts, vocab_size)
+    tok.save(folder)
+    return tok
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_BPE_VOCAB:
+        raise ConfigError(f"data.vocab_size={vocab_size!r} must be an integer >= {MIN_BPE_VOCAB} "
+                          f"(256 bytes + {EOT})")
+
+
+def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir``, else ``$HYBRIDNORM_CACHE``, else ``~/.cache/hybridnorm``."""
+    if cache_dir is None:
+        cache_dir = os.environ.get("HYBRIDNORM_CACHE") or Path.home() / ".cache" / "hybridnorm"
+    return Path(cache_dir).expanduser()
+
+
+@contextlib.contextmanager
+def file_lock(folder: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``folder/.lock`` (creating the folder); a no-op without fcntl."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create cache folder {folder}: {e.strerror} (set data.cache_dir or "
+                          f"$HYBRIDNORM_CACHE)") from None
+    try:
+        import fcntl
+    except ImportError:  # Windows: atomic renames still keep every file whole
+        yield
+        return
+    with open(folder / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def atomic_write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, CACHE_FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path

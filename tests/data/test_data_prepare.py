@@ -1,0 +1,106 @@
+"""prepare_data: cold build, warm cache hit, rebuild of a damaged cache, and the full embedded KJV once."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from hybridnorm.data import KJV_VAL_BOOKS, TokenBatches, prepare_data, unigram_entropy
+from hybridnorm.data import prepare as prepare_mod
+from hybridnorm.errors import ConfigError
+
+WORDS = "in the beginning was word and light darkness over deep waters spirit moved face".split()
+
+
+@pytest.fixture
+def source(tmp_path):
+    rng = random.Random(0)
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80)))})
+             for _ in range(300)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _forbid(monkeypatch, name):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{name} ran on a warm cache")
+
+    monkeypatch.setattr(prepare_mod, name, fail)
+
+
+def test_cold_then_warm(source, tmp_path, monkeypatch):
+    cold = prepare_data(str(source), "bpe", 300, cache_dir=tmp_path / "c", val_fraction=0.1)
+    assert not cold.cached and cold.vocab_size == 300
+    assert {p.name for p in cold.dir.iterdir()} >= {"tokenizer.json", "train.bin", "val.bin", "meta.json"}
+    s = cold.stats
+    assert s.train_docs + s.val_docs == 300 and s.val_docs > 0
+    train, val = cold.train_tokens(), cold.val_tokens()
+    assert (len(train), len(val)) == (s.train_tokens, s.val_tokens)
+    assert int((train == cold.eot_id).sum()) == s.train_docs
+    assert s.unigram_entropy == pytest.approx(unigram_entropy(train, val, 300))
+    assert 0 < s.unigram_entropy < np.log(300)
+
+    for name in ("load_corpus", "load_or_train_bpe", "tokenize_to_memmap"):
+        _forbid(monkeypatch, name)
+    warm = prepare_data(source, "bpe", 300, cache_dir=tmp_path / "c", val_fraction=0.1)
+    assert warm.cached and warm.dir == cold.dir and warm.stats == cold.stats
+    assert warm.tokenizer.fingerprint == cold.tokenizer.fingerprint
+    assert np.array_equal(warm.train_tokens(), train)
+
+
+def test_damaged_cache_is_rebuilt(source, tmp_path):
+    first = prepare_data(source, "bpe", 300, cache_dir=tmp_path)
+    expected = np.array(first.train_tokens())
+    first.train_path.write_bytes(first.train_path.read_bytes()[:-2])  # truncate
+    again = prepare_data(source, "bpe", 300, cache_dir=tmp_path)
+    assert not again.cached and np.array_equal(again.train_tokens(), expected)
+
+
+def test_bytes_and_user_tokenizer(source, tmp_path):
+    b = prepare_data(source, "bytes", cache_dir=tmp_path)
+    assert b.vocab_size == 257 and b.dir.name.endswith("-bytes")
+    assert b.stats.train_tokens == b.stats.train_chars + b.stats.train_docs  # ASCII text: 1 byte a char
+    bpe = prepare_data(source, "bpe", 300, cache_dir=tmp_path)
+    user = prepare_data(source, str(bpe.dir / "tokenizer.json"), cache_dir=tmp_path / "other")
+    assert user.tokenizer.fingerprint == bpe.tokenizer.fingerprint
+    assert np.array_equal(user.train_tokens(), bpe.train_tokens())
+
+
+def test_bad_choices_and_vocab_mismatch(source, tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.tokenizer='sentencepiece' is not one of 'bpe', 'bytes'"):
+        prepare_data(source, "sentencepiece", cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"data\.source file .*nothere\.txt does not exist"):
+        prepare_data(tmp_path / "nothere.txt", cache_dir=tmp_path)
+    data = prepare_data(source, "bpe", 300, cache_dir=tmp_path)
+    data.check_vocab(300)
+    data.check_vocab(320)  # spare embedding rows are harmless
+    with pytest.raises(ConfigError, match=r"ModelConfig\.vocab_size=256 is smaller than the vocab size 300"):
+        data.check_vocab(256)
+
+
+@pytest.fixture(scope="module")
+def kjv_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kjv-cache")
+
+
+def test_full_kjv_bpe8192(kjv_dir, monkeypatch):
+    data = prepare_data("kjv", "bpe", 8192, cache_dir=kjv_dir)
+    assert data.vocab_size == 8192 and not data.cached
+    s = data.stats
+    assert (s.train_docs, s.val_docs) == (1105, 84)
+    assert 0.04 < s.val_tokens / (s.train_tokens + s.val_tokens) < 0.06
+    assert 3.5 < s.chars_per_token < 5.5
+    assert 4.0 < s.unigram_entropy < 8.0
+    val = data.val_tokens()
+    first_doc = data.tokenizer.decode(val[:int(np.argmax(val == data.eot_id))].tolist())
+    assert first_doc.split("\n", 1)[0] == "Ruth 1" and "Ruth" in KJV_VAL_BOOKS
+    x, _ = next(TokenBatches(data.train_tokens(), 2, 64, seed=0))
+    assert x.shape == (2, 64) and int(x.max()) < 8192
+
+    _forbid(monkeypatch, "load_corpus")  # warm: no corpus parsing, no training, no tokenizing
+    warm = prepare_data("kjv", "bpe", 8192, cache_dir=kjv_dir)
+    assert warm.cached and warm.stats == s
