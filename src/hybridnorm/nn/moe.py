@@ -81,9 +81,10 @@ class MoEFFN(nn.Module):
         use_grouped = self.dispatch == "grouped_mm" or (self.dispatch == "auto" and _grouped_mm_ok(a, w))
         if use_grouped:
             return F.grouped_mm(a, w, offs=offs)
-        # Loop over experts, not tokens: E matmuls on contiguous slices (empty slices are fine).
+        # Loop over experts, not tokens: E matmuls on contiguous slices (empty slices are fine). unbind, not
+        # w[e]: its backward stacks the E grads once instead of materializing E full-size zero tensors.
         chunks = a.split(counts.tolist())
-        return torch.cat([chunk @ w[e] for e, chunk in enumerate(chunks)])
+        return torch.cat([chunk @ w_e for chunk, w_e in zip(chunks, w.unbind(0), strict=True)])
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
