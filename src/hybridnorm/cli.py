@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 
 from hybridnorm.errors import ConfigError
 
@@ -28,6 +29,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         overrides = [f"--model.{k}={v}" for k, v in size.items() if k not in ("moe", "vocab_size")] + overrides
         if "moe" in size:
             overrides.insert(0, f"--model.moe={size['moe']}")
+        user_keys = {o.lstrip("-").partition("=")[0].replace("-", "_") for o in extra}
+        if not args.config and "seq_len" not in user_keys:  # the default seq_len may exceed a small preset's
+            overrides.insert(0, f"--seq_len={min(TrainConfig.seq_len, size['max_seq_len'])}")
     if args.placement:
         overrides.append(f"--model.placement={args.placement}")
     if args.max_steps is not None:
@@ -53,11 +57,14 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
     from hybridnorm.train.load import load_run
 
+    for name in ("max_new_tokens", "temperature", "top_k"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
     run = load_run(args.checkpoint)
     gen = torch.Generator().manual_seed(args.seed)
     ids = run.tokenizer.encode(args.prompt) or [run.tokenizer.eot_id]
     out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k, generator=gen)
+                             top_k=args.top_k or None, generator=gen)
     print(run.tokenizer.decode(out[0].tolist()))
     return 0
 
@@ -65,6 +72,8 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.train.load import evaluate_run, load_run
 
+    if args.batches < 1:
+        raise ConfigError(f"--batches={args.batches} must be >= 1")
     run = load_run(args.checkpoint)
     loss, n_tokens = evaluate_run(run, args.data, batch_size=args.batch_size, seq_len=args.seq_len,
                                   max_batches=args.batches)
@@ -89,9 +98,14 @@ def _placements(args: argparse.Namespace, extra: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybridnorm", description="Normalization placements for decoder-only LMs.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    # --debug is accepted after the command too (`hybridnorm train --debug`); SUPPRESS keeps the
+    # subcommand from resetting a --debug given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a model (default: small HybridNorm* on the embedded KJV corpus)",
+    t = sub.add_parser("train", parents=[common],
+                       help="train a model (default: small HybridNorm* on the embedded KJV corpus)",
                        description="Extra --key=value options override any config field, e.g. --optim.lr=1e-3 "
                                    "--model.n_layers=8 --precision=fp32.")
     t.add_argument("config", nargs="?", help="YAML train config (optional)")
@@ -102,16 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
     t.set_defaults(func=_train)
 
-    g = sub.add_parser("generate", help="sample text from a run folder or checkpoint")
+    g = sub.add_parser("generate", parents=[common], help="sample text from a run folder or checkpoint")
     g.add_argument("checkpoint")
     g.add_argument("--prompt", default="In the beginning")
     g.add_argument("--max-new-tokens", type=int, default=100)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=50, help="0: sample from the whole vocabulary")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=_generate)
 
-    e = sub.add_parser("eval", help="validation loss / perplexity of a checkpoint on a corpus")
+    e = sub.add_parser("eval", parents=[common], help="validation loss / perplexity of a checkpoint on a corpus")
     e.add_argument("checkpoint")
     e.add_argument("--data", help="corpus (default: the run's own validation split)")
     e.add_argument("--batches", type=int, default=50)
@@ -119,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seq-len", type=int)
     e.set_defaults(func=_eval)
 
-    p = sub.add_parser("placements", help="list placement presets with their equations")
+    p = sub.add_parser("placements", parents=[common], help="list placement presets with their equations")
     p.add_argument("--all", action="store_true", help="also the paper's grammar names")
     p.set_defaults(func=_placements)
     return ap
@@ -130,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "train":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    old_format = warnings.formatwarning
+    if not args.debug:  # one line per warning (e.g. a skipped corrupt checkpoint), not two
+        warnings.formatwarning = lambda message, *_a, **_k: f"warning: {message}\n"
     try:
         return args.func(args, extra)
     except (ConfigError, FileNotFoundError, UnicodeDecodeError, ValueError) as e:
@@ -137,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        warnings.formatwarning = old_format
 
 
 if __name__ == "__main__":

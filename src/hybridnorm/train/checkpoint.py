@@ -89,8 +89,9 @@ def save_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.op
     root = Path(ckpt_root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step:06d}"
+    for stale in root.glob(".tmp_step_*"):  # left by a save that was killed half-way
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp_step_{state.step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"))

@@ -52,6 +52,8 @@ class TrainConfig:
     seq_len: int = 256
     max_steps: int = 600
     max_minutes: float = 0.0       # stop (and checkpoint) after this wall time; 0 = no limit
+    stop_after_steps: int = 0      # stop (and checkpoint) after this many steps of this invocation, keeping
+                                   # the LR schedule of max_steps (a chunked job; resume later); 0 = no limit
     precision: str = "bf16"        # fp32 | bf16 (autocast)
     compile: bool = False
     device: str = "auto"           # auto | cpu | cuda | cuda:N
@@ -79,8 +81,9 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "seq_len", "log_interval", "eval_interval", "ckpt_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_steps < 0:
-            raise ConfigError(f"max_steps={self.max_steps} must be >= 0")
+        for name in ("max_steps", "stop_after_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         if self.precision not in PRECISIONS:
             choices = ", ".join(map(repr, PRECISIONS))
             raise ConfigError(f"precision={self.precision!r} is not one of {choices}")

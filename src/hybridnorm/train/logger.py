@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if start_step:  # a resumed run re-logs the steps after its checkpoint (as purge_step does for TB)
+            _purge_after(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
         if tensorboard:
@@ -77,3 +80,21 @@ class MetricsLogger:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _purge_after(path: Path, step: int) -> None:
+    """Drop the records past ``step`` (and a torn line) that a run killed after its last checkpoint left."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, AttributeError):
+            continue
+    if len(keep) < len(lines) or not path.read_bytes().endswith(b"\n"):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        os.replace(tmp, path)

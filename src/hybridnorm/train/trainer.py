@@ -27,7 +27,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hybridnorm.data import TokenBatches, prepare_data, val_batches
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM, lm_loss
-from hybridnorm.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from hybridnorm.train.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import (
     Dist,
@@ -82,11 +88,14 @@ def _autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractCont
 
 @torch.no_grad()
 def evaluate(model: TransformerLM, tokens, cfg: TrainConfig, device: torch.device, d: Dist) -> float:
-    """Mean next-token loss over the first ``eval_batches`` validation windows (split across ranks)."""
+    """Mean next-token loss over the first ``eval_batches`` global batches of validation windows (each rank
+    scores ``eval_batches`` of its ``batch_size``), so W ranks with batch B score the same windows as one
+    process with batch W·B."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for x, y in val_batches(tokens, cfg.batch_size, cfg.seq_len, cfg.eval_batches, d.rank, d.world_size):
+    n_batches = cfg.eval_batches * d.world_size  # val_batches counts batches of batch_size over all ranks
+    for x, y in val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size):
         with _autocast(cfg, device):
             loss = lm_loss(model(x.to(device)), y.to(device))
         total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
@@ -98,7 +107,7 @@ def evaluate(model: TransformerLM, tokens, cfg: TrainConfig, device: torch.devic
 
 def _check_run_dir(run_dir: Path, resume: bool) -> Path | None:
     ckpt = latest_checkpoint(run_dir / "checkpoints") if resume else None
-    if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+    if not resume and list_checkpoints(run_dir / "checkpoints"):
         raise ConfigError(f"run folder {run_dir} already has checkpoints: pass --resume to continue it "
                           f"or choose another --out")
     return ckpt
@@ -163,7 +172,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
         barrier(d)
 
     result = TrainResult(run_dir, state.step, float("nan"), None, data.stats.unigram_entropy)
-    t_start, tick, last_step = time.perf_counter(), time.perf_counter(), state.step
+    t_start, tick, last_step, first_step = time.perf_counter(), time.perf_counter(), state.step, state.step
     model.train()
     with _StopFlag() as stop:
         while state.step < cfg.max_steps:
@@ -206,12 +215,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
                 log.log(state.step, {"val_loss": result.val_loss, "val_ppl": math.exp(min(result.val_loss, 50))},
                         "eval")
             out_of_time = cfg.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.max_minutes
-            stop_now = all_reduce_max(torch.tensor(float(stop.signal is not None or out_of_time)), d).item() > 0
+            out_of_steps = cfg.stop_after_steps > 0 and state.step - first_step >= cfg.stop_after_steps
+            stop_now = all_reduce_max(torch.tensor(float(stop.signal is not None or out_of_time or out_of_steps)),
+                                      d).item() > 0
             if state.step % cfg.ckpt_interval == 0 or state.step == cfg.max_steps or stop_now:
                 save()
             if stop_now:
                 result.interrupted = stop.signal is not None
-                log.message(f"stopped at step {state.step}" + (" (signal)" if stop.signal else " (time limit)")
+                why = " (signal)" if stop.signal else " (time limit)" if out_of_time else " (stop_after_steps)"
+                log.message(f"stopped at step {state.step}{why}"
                             + f"; checkpoint saved in {run_dir / 'checkpoints'}")
                 break
     result.step = state.step

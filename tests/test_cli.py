@@ -1,0 +1,276 @@
+"""The ``hybridnorm`` command line: placements listing, train/generate/eval on a tiny run, and bad input
+as ONE ``error: ...`` line on stderr with exit code 2 and no traceback (``--debug`` shows it)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridnorm import cli, placements
+from hybridnorm.config import SIZES
+
+WORDS = ("the lord said unto moses and aaron go forth into a land of milk and honey where the people shall keep "
+         "my law by day and by night behold the river ran dry and the city was built upon a hill").split()
+PROMPT = "the lord said"
+
+
+def _write_corpus(folder: Path) -> Path:
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(6):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+                 for _ in range(60)]
+        (folder / f"doc{i}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    _write_corpus(root / "corpus")
+    (root / "empty.txt").write_text("  \n\n", encoding="utf-8")
+    (root / "latin1.txt").write_bytes("café au lait, s'il vous plaît\n".encode("latin-1") * 20)
+    return root
+
+
+def _train_args(work: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--size", "tiny", "--out", str(out), f"--data.source={work / 'corpus'}",
+            "--data.tokenizer=bytes", f"--data.cache_dir={work / 'cache'}", "--seq_len=32", "--batch_size=4",
+            "--eval_interval=1000", "--eval_batches=2", "--ckpt_interval=2", "--log_interval=1",
+            "--precision=fp32", "--device=cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def run(work: Path) -> Path:
+    """A tiny run trained for 4 steps (checkpoints at 2 and 4) through the CLI."""
+    import hybridnorm.train.trainer as trainer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)  # skip the seconds-long benchmark
+        assert cli.main(_train_args(work, work / "run", "--max-steps", "4")) == 0
+    return work / "run"
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "run"))
+
+
+def _vocab_mismatch(run: Path, tmp_path: Path) -> Path:
+    """The run's tokenizer.json replaced by a BPE with a bigger vocabulary than the model's 257."""
+    from hybridnorm.data import train_bpe
+
+    copy = _copy(run, tmp_path)
+    tok = train_bpe([(run.parent / "corpus" / "doc0.txt").read_text(encoding="utf-8")], vocab_size=300)
+    assert tok.vocab_size > 257
+    tok.save(copy)
+    return copy
+
+
+def _corrupt_step4(run: Path, tmp_path: Path) -> Path:
+    copy = _copy(run, tmp_path)
+    f = copy / "checkpoints" / "step_000004" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    return copy / "checkpoints" / "step_000004"
+
+
+# name -> (argv builder(work, run, tmp_path), substrings the one error line must contain)
+BAD_INPUTS = {
+    "missing corpus": (lambda w, r, t: _train_args(w, t / "o", f"--data.source={w / 'missing.txt'}"),
+                       ["missing.txt", "does not exist"]),
+    "empty corpus": (lambda w, r, t: _train_args(w, t / "o", f"--data.source={w / 'empty.txt'}"),
+                     ["empty.txt", "empty"]),
+    "non-utf8 corpus": (lambda w, r, t: _train_args(w, t / "o", f"--data.source={w / 'latin1.txt'}"),
+                        ["latin1.txt", "not UTF-8"]),
+    "config typo": (lambda w, r, t: _train_args(w, t / "o", "--optim.lrr=1"),
+                    ["'lrr'", "valid fields", "lr"]),
+    "bad value type": (lambda w, r, t: _train_args(w, t / "o", "--batch_size=many"),
+                       ["batch_size", "int"]),
+    "unknown placement": (lambda w, r, t: _train_args(w, t / "o", "--placement", "nonorm_xyz"),
+                          ["nonorm_xyz", "hybridnorm_star", "qk_norm", "pre"]),
+    "unknown size": (lambda w, r, t: ["train", "--size", "huge", "--out", str(t / "o")], ["huge", "tiny"]),
+    "missing yaml config": (lambda w, r, t: ["train", str(t / "nope.yaml")], ["nope.yaml", "cannot read"]),
+    "existing run without --resume": (lambda w, r, t: _train_args(w, r, "--max-steps", "6"),
+                                      ["already has checkpoints", "--resume"]),
+    "eval vocab mismatch": (lambda w, r, t: ["eval", str(_vocab_mismatch(r, t))], ["vocab mismatch", "300", "257"]),
+    "generate vocab mismatch": (lambda w, r, t: ["generate", str(_vocab_mismatch(r, t))],
+                                ["vocab mismatch", "300", "257"]),
+    "corrupt checkpoint": (lambda w, r, t: ["eval", str(_corrupt_step4(r, t))],
+                           ["model.safetensors", "corrupt"]),
+    "no run folder": (lambda w, r, t: ["generate", str(t / "nothing")], ["no run folder"]),
+    "negative temperature": (lambda w, r, t: ["generate", str(r), "--temperature=-1"], ["--temperature"]),
+    "zero eval batches": (lambda w, r, t: ["eval", str(r), "--batches", "0"], ["--batches"]),
+}
+
+
+def _check_one_error_line(err: str, needles: list[str]) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_error_line(case, work, run, tmp_path, capsys):
+    build, needles = BAD_INPUTS[case]
+    argv = build(work, run, tmp_path)
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    _check_one_error_line(capsys.readouterr().err, needles)
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(var, None)
+    return env
+
+
+# one case per kind of failure (data, config, placement, tokenizer/checkpoint, corruption) as a real process
+SUBPROCESS_CASES = ("non-utf8 corpus", "config typo", "unknown placement", "generate vocab mismatch",
+                    "corrupt checkpoint")
+
+
+def test_bad_input_in_a_real_process_has_no_traceback_and_debug_shows_it(work, run, tmp_path):
+    """Bad input as real processes (all at once: each mostly waits on imports): one line, exit 2."""
+    cases = {}
+    for name in SUBPROCESS_CASES:
+        (tmp_path / name.replace(" ", "_")).mkdir()
+        build, needles = BAD_INPUTS[name]
+        cases[name] = (build(work, run, tmp_path / name.replace(" ", "_")), needles, 2)
+    typo = _train_args(work, tmp_path / "o", "--optim.lrr=1")
+    cases["--debug"] = ([typo[0], "--debug", *typo[1:]], None, 1)
+    procs = {name: subprocess.Popen([sys.executable, "-m", "hybridnorm.cli", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=_env())
+             for name, (argv, _, _) in cases.items()}
+    failures = []
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        _, needles, want_rc = cases[name]
+        try:
+            assert proc.returncode == want_rc, f"exit code {proc.returncode}"
+            if needles is None:  # --debug: the traceback of the ConfigError instead of the one line
+                assert "Traceback (most recent call last)" in err and "ConfigError" in err and "lrr" in err
+                assert not err.strip().splitlines()[-1].startswith("error:")
+            else:
+                _check_one_error_line(err, needles)
+        except AssertionError as e:
+            failures.append(f"{name}: {e}\nstderr: {err[-2000:]}")
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_reraises_before_or_after_the_command(work, tmp_path, where, capsys):
+    from hybridnorm.errors import ConfigError
+
+    argv = _train_args(work, tmp_path / "o", "--optim.lrr=1")
+    argv = ["--debug", *argv] if where == "before" else [argv[0], "--debug", *argv[1:]]
+    with pytest.raises(ConfigError, match="lrr"):
+        cli.main(argv)
+    assert "error:" not in capsys.readouterr().err
+    # and without --debug the same input is the one-line error
+    assert cli.main([a for a in argv if a != "--debug"]) == 2
+
+
+def test_placements_lists_every_preset_with_its_equation(capsys):
+    assert cli.main(["placements"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(placements.names())
+    for name, line in zip(placements.names(), lines, strict=True):
+        assert line.split()[0] == name
+        assert line.endswith(placements.one_line(placements.get(name)))
+        assert "=" in line
+    assert not any(line.startswith("QKV-Post") for line in lines)
+
+
+def test_placements_all_adds_the_paper_grammar_names(capsys):
+    assert cli.main(["placements", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert placements.GRAMMAR in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip() and not line.startswith("Grammar")}
+    for name in (*placements.names(), *placements.PAPER_NAMES):
+        assert name in lines, name
+    assert "QKV-Post" in placements.PAPER_NAMES
+    assert lines["QKV-Post"].endswith(placements.one_line(placements.get("QKV-Post")))
+    assert "MHA_QKV(X)" in lines["QKV-Post"]
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("hybridnorm")
+    if exe is None:
+        pytest.skip("the hybridnorm console script is not on PATH")
+    proc = subprocess.run([exe, "placements"], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == placements.names()[0]
+
+
+def test_train_wrote_a_complete_run(run, capsys):
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    for name in ("config.yaml", "metrics.jsonl", "tokenizer.json"):
+        assert (run / name).is_file(), name
+    cfg_text = (run / "config.yaml").read_text(encoding="utf-8")
+    assert f"d_model: {SIZES['tiny']['d_model']}" in cfg_text and "vocab_size: 257" in cfg_text
+
+
+def test_generate_continues_the_prompt(run, capsys):
+    argv = ["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "24", "--seed", "3"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPT) and len(out.rstrip("\n")) > len(PROMPT)
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == out  # seeded: the same text again
+    assert cli.main(["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "8", "--top-k", "0",
+                     "--temperature", "0"]) == 0  # greedy, no top-k
+    assert capsys.readouterr().out.startswith(PROMPT)
+
+
+def test_eval_prints_loss_and_perplexity(run, capsys):
+    assert cli.main(["eval", str(run), "--batches", "2", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"step_000004: val loss ([\d.]+), perplexity ([\d.]+) over ([\d,]+) tokens", out)
+    assert m, out
+    loss, ppl, tokens = float(m[1]), float(m[2]), int(m[3].replace(",", ""))
+    assert 0 < loss < math.log(257) + 1
+    assert ppl == pytest.approx(math.exp(loss), rel=1e-3, abs=0.01)
+    assert tokens == 2 * 2 * 32  # 2 batches of 2 windows of seq_len 32
+
+
+def test_eval_of_a_single_checkpoint_and_fallback_past_a_corrupt_one(run, tmp_path, capsys):
+    assert cli.main(["eval", str(run / "checkpoints" / "step_000002"), "--batches", "1"]) == 0
+    assert "step_000002: val loss" in capsys.readouterr().out
+    bad = _corrupt_step4(run, tmp_path)
+    with pytest.warns(UserWarning, match=r"skipping bad checkpoint.*model\.safetensors"):
+        assert cli.main(["eval", str(bad.parent.parent), "--batches", "1"]) == 0
+    assert "step_000002: val loss" in capsys.readouterr().out
+
+
+def test_resume_through_the_cli_continues_the_run(run, work, tmp_path, capsys, monkeypatch):
+    import hybridnorm.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
+    copy = _copy(run, tmp_path)
+    assert cli.main(_train_args(work, copy, "--max-steps", "6", "--resume")) == 0
+    assert "final: step 6" in capsys.readouterr().out
+    assert (copy / "checkpoints" / "step_000006").is_dir()
+
+
+def test_size_preset_alone_picks_a_seq_len_that_fits(work, tmp_path, capsys, monkeypatch):
+    import hybridnorm.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
+    out = tmp_path / "run"
+    argv = ["train", "--size", "tiny", "--out", str(out), "--max-steps", "1", f"--data.source={work / 'corpus'}",
+            "--data.tokenizer=bytes", f"--data.cache_dir={work / 'cache'}", "--batch_size=2", "--eval_batches=1"]
+    assert cli.main(argv) == 0  # the default seq_len 256 would exceed tiny's max_seq_len 128
+    assert "\nseq_len: 128\n" in (out / "config.yaml").read_text(encoding="utf-8")

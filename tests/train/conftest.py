@@ -1,0 +1,41 @@
+"""Shared fixtures for the training tests: a small local corpus, its prepared byte-level cache, and a
+tiny-model TrainConfig factory (d 64, 2 layers, seq_len 32, batch 4) that trains a step in milliseconds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from train_helpers import tiny_overrides, write_corpus
+
+from hybridnorm.data import prepare_data
+from hybridnorm.train.config import TrainConfig, apply_overrides
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    prepare_data(str(corpus), tokenizer="bytes", cache_dir=cache)  # warm: runs and subprocesses reuse it
+    return cache
+
+
+@pytest.fixture
+def no_peak_measure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skip the trainer's seconds-long matmul peak measurement (only used for the MFU display)."""
+    import hybridnorm.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
+
+
+@pytest.fixture
+def make_cfg(corpus: Path, cache_dir: Path, no_peak_measure: None) -> Callable[..., TrainConfig]:
+    def make(out_dir: Path, *extra: str) -> TrainConfig:
+        return TrainConfig.from_dict(apply_overrides({}, [*tiny_overrides(corpus, cache_dir, out_dir), *extra]))
+
+    return make

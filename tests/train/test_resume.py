@@ -1,0 +1,65 @@
+"""N steps, stop, resume, N more steps == 2N uninterrupted steps, bitwise on CPU (fp32 and bf16 autocast).
+
+The first half stops through ``stop_after_steps`` so both runs share the LR schedule of ``max_steps``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import read_metrics
+
+from hybridnorm.train.checkpoint import list_checkpoints
+from hybridnorm.train.trainer import train
+
+N = 4
+
+
+MOE = ("--model.moe={num_experts: 8, top_k: 2}", "--model.ffn_hidden_size=32", "--model.tie_embeddings=false")
+
+
+@pytest.mark.parametrize(("precision", "extra"), [
+    ("fp32", ()), ("bf16", ()), ("fp32", ("--grad_accum=2",)), ("bf16", MOE)], ids=["fp32", "bf16", "accum", "moe"])
+def test_resume_is_bitwise_identical(make_cfg, tmp_path, precision, extra):
+    common = (f"--precision={precision}", f"--max_steps={2 * N}", "--ckpt_interval=3", "--eval_interval=2", *extra)
+    straight = train(make_cfg(tmp_path / "straight", *common))
+    assert straight.step == 2 * N and not straight.interrupted
+
+    first = train(make_cfg(tmp_path / "resumed", *common, f"--stop_after_steps={N}"))
+    assert first.step == N and not first.interrupted
+    # the stop saved a checkpoint at N (besides the periodic one at 3)
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed" / "checkpoints")] == ["step_000003", "step_000004"]
+    second = train(make_cfg(tmp_path / "resumed", *common), resume=True)
+    assert second.step == 2 * N
+
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 2 * N + 1))
+    keys = ["loss", "grad_norm", "lr", "tokens"] + (["aux_loss", "lb_loss", "z_loss"] if extra == MOE else [])
+    for key in keys:
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert len({r["loss"] for r in a}) == 2 * N  # it really trained: the losses move
+    assert [r["val_loss"] for r in read_metrics(tmp_path / "straight", "eval")] == \
+        [r["val_loss"] for r in read_metrics(tmp_path / "resumed", "eval")]
+    assert second.val_loss == straight.val_loss and second.train_loss == straight.train_loss
+
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        wa = load_file(tmp_path / "straight" / "checkpoints" / "step_000008" / name)
+        wb = load_file(tmp_path / "resumed" / "checkpoints" / "step_000008" / name)
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), f"{name}: {k}"
+
+
+def test_resume_without_checkpoint_starts_fresh_and_finished_run_is_a_noop(make_cfg, tmp_path):
+    cfg = make_cfg(tmp_path / "run", "--max_steps=2")
+    assert train(cfg, resume=True).step == 2  # --resume on an empty folder: a fresh start
+    again = train(cfg, resume=True)  # already at max_steps: nothing to do, nothing logged twice
+    assert again.step == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_stop_after_steps_validation(make_cfg, tmp_path):
+    from hybridnorm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="stop_after_steps"):
+        make_cfg(tmp_path, "--stop_after_steps=-1")
