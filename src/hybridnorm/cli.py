@@ -16,10 +16,10 @@ from hybridnorm.errors import ConfigError
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
 
 
-def _train(args: argparse.Namespace, extra: list[str]) -> int:
+def _config(args: argparse.Namespace, extra: list[str]):  # -> TrainConfig (imported lazily: fast --help)
+    """The train config of a command line: YAML file (optional), then --size, then --key=value, then flags."""
     from hybridnorm.config import SIZES
     from hybridnorm.train.config import TrainConfig, apply_overrides
-    from hybridnorm.train.trainer import train
 
     overrides = list(extra)
     if args.size:
@@ -32,15 +32,20 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         user_keys = {o.lstrip("-").partition("=")[0].replace("-", "_") for o in extra}
         if not args.config and "seq_len" not in user_keys:  # the default seq_len may exceed a small preset's
             overrides.insert(0, f"--seq_len={min(TrainConfig.seq_len, size['max_seq_len'])}")
-    if args.placement:
+    if getattr(args, "placement", None):
         overrides.append(f"--model.placement={args.placement}")
     if args.max_steps is not None:
         overrides.append(f"--max_steps={args.max_steps}")
     if args.out:
         overrides.append(f"--out_dir={args.out}")
-    cfg = TrainConfig.load(args.config, overrides) if args.config else \
+    return TrainConfig.load(args.config, overrides) if args.config else \
         TrainConfig.from_dict(apply_overrides({}, overrides))
-    result = train(cfg, resume=args.resume)
+
+
+def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.train.trainer import train
+
+    result = train(_config(args, extra), resume=args.resume)
     if result.diverged:
         return EXIT_DIVERGED
     if result.interrupted:
@@ -49,6 +54,50 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"final: step {result.step}, train loss {result.train_loss:.4f}, val loss {result.val_loss:.4f} "
               f"(val ppl {math.exp(result.val_loss):.2f}); unigram entropy {result.unigram_entropy:.4f} nats; "
               f"run folder {result.run_dir}")
+    return 0
+
+
+def _csv(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"{what} must be a comma-separated list, got {text!r}")
+    return items
+
+
+def _compare(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.experiments.compare import command_line, run_compare
+
+    if not args.out:
+        raise ConfigError("compare needs --out DIR for its report folder")
+    try:
+        seeds = [int(s) for s in _csv(args.seeds, "--seeds")]
+    except ValueError:
+        raise ConfigError(f"--seeds must be integers, got {args.seeds!r}") from None
+    summary = run_compare(_config(args, extra), _csv(args.placements, "--placements"), seeds, args.out,
+                          command_line(sys.argv[1:] if args.argv is None else args.argv))
+    print(f"report: {summary}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, extra: list[str]) -> int:
+    import yaml
+
+    from hybridnorm.experiments.compare import command_line
+    from hybridnorm.experiments.sweep import run_sweep
+
+    if not args.out:
+        raise ConfigError("sweep needs --out DIR for its report folder")
+    def value(text: str) -> object:
+        v = yaml.safe_load(text)
+        try:
+            return float(v) if isinstance(v, str) else v  # YAML 1.1 reads 1e-3 as a string
+        except ValueError:
+            return v
+
+    values = [value(v) for v in _csv(args.values, "--values")]
+    summary = run_sweep(_config(args, extra), _csv(args.placements, "--placements"), args.knob, values, args.out,
+                        seed=args.seed, command=command_line(sys.argv[1:] if args.argv is None else args.argv))
+    print(f"report: {summary}")
     return 0
 
 
@@ -116,6 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
     t.set_defaults(func=_train)
 
+    for name, func, help_text in (
+            ("compare", _compare, "train several placements side by side and write a report folder"),
+            ("sweep", _sweep, "vary one knob per placement and report where each one breaks")):
+        c = sub.add_parser(name, parents=[common], help=help_text,
+                           description=f"{help_text}. Extra --key=value options override any config field.")
+        c.add_argument("config", nargs="?", help="YAML train config (optional)")
+        c.add_argument("--placements", required=True, help="comma-separated presets or grammar names")
+        c.add_argument("--size", help="model size preset (tiny, small, 151m, ...)")
+        c.add_argument("--max-steps", type=int)
+        c.add_argument("--out", help="report folder")
+        if name == "compare":
+            c.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+        else:
+            c.add_argument("--knob", required=True, help="lr, depth, init, or any dotted field (optim.lr, ...)")
+            c.add_argument("--values", required=True, help="comma-separated values of the knob")
+            c.add_argument("--seed", type=int, default=0)
+        c.set_defaults(func=func)
+
     g = sub.add_parser("generate", parents=[common], help="sample text from a run folder or checkpoint")
     g.add_argument("checkpoint")
     g.add_argument("--prompt", default="In the beginning")
@@ -142,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "train":
+    args.argv = argv
+    if extra and args.command not in ("train", "compare", "sweep"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     old_format = warnings.formatwarning
     if not args.debug:  # one line per warning (e.g. a skipped corrupt checkpoint), not two

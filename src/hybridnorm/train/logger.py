@@ -19,9 +19,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 tensorboard: bool = True) -> None:
+                 tensorboard: bool = True, echo: bool = True) -> None:
         self.enabled = enabled
-        self.console = Console(stderr=True, soft_wrap=True)
+        # echo=False (e.g. one run of `hybridnorm compare`): files only, nothing on the console
+        self.console = Console(stderr=True, soft_wrap=True, quiet=not echo)
         self.total, self.start_time = total_steps, time.perf_counter()
         if not enabled:
             return

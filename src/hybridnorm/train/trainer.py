@@ -148,7 +148,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         data.tokenizer.save(run_dir)
-    log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main and not quiet)
+    log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
     log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
                 f"vocab {vocab}; data: {cfg.data.source} ({len(train_tokens):,} train / {len(val_tokens):,} "
                 f"val tokens); unigram entropy {data.stats.unigram_entropy:.3f} nats"
@@ -226,6 +226,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
                 log.message(f"stopped at step {state.step}{why}"
                             + f"; checkpoint saved in {run_dir / 'checkpoints'}")
                 break
+    if result.val_loss is None and not result.diverged and state.step >= cfg.max_steps:
+        # resumed a finished run: nothing to train, but report where it ended
+        result.val_loss = evaluate(model, val_tokens, cfg, device, d)
+        log.message(f"run already complete at step {state.step}; val loss {result.val_loss:.4f}")
     result.step = state.step
     log.close()
     return result
