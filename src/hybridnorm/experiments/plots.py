@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -15,6 +16,15 @@ import matplotlib.pyplot as plt
 from hybridnorm.experiments.runs import RunRecord
 
 
+def _save(fig: plt.Figure, path: Path, series: dict) -> Path:
+    """The PNG, and beside it ``<name>.json`` with exactly the plotted series (to re-plot or test)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    path.with_suffix(".json").write_text(json.dumps(series, indent=1), encoding="utf-8")
+    return path
+
+
 def _by_placement(runs: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
     groups: dict[str, list[RunRecord]] = defaultdict(list)
     for r in runs:
@@ -25,6 +35,7 @@ def _by_placement(runs: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
 def loss_curves(runs: Sequence[RunRecord], path: Path, title: str = "training loss") -> Path:
     """Train loss against step: the mean over seeds per placement, shaded between min and max."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, dict] = {}
     for name, group in _by_placement(runs).items():
         steps = sorted({rec["step"] for r in group for rec in r.train})
         per_step = [[rec["loss"] for r in group for rec in r.train if rec["step"] == s and math.isfinite(rec["loss"])]
@@ -32,8 +43,9 @@ def loss_curves(runs: Sequence[RunRecord], path: Path, title: str = "training lo
         keep = [(s, v) for s, v in zip(steps, per_step, strict=True) if v]
         if not keep:
             continue
-        xs = [s for s, _ in keep]
-        line, = ax.plot(xs, [sum(v) / len(v) for _, v in keep], label=name)
+        xs, ys = [s for s, _ in keep], [sum(v) / len(v) for _, v in keep]
+        series[name] = {"x": xs, "y": ys}
+        line, = ax.plot(xs, ys, label=name)
         if len(group) > 1:
             ax.fill_between(xs, [min(v) for _, v in keep], [max(v) for _, v in keep], alpha=0.2,
                             color=line.get_color())
@@ -43,16 +55,14 @@ def loss_curves(runs: Sequence[RunRecord], path: Path, title: str = "training lo
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, series)
 
 
 def by_depth(runs: Sequence[RunRecord], path: Path, prefix: str, steps: Sequence[int], ylabel: str,
              title: str, log: bool = True) -> Path:
     """One panel per requested step: ``prefix/blocks.<i>`` against block index, mean over seeds."""
     fig, axes = plt.subplots(1, len(steps), figsize=(5.5 * len(steps), 4.2), squeeze=False)
+    series: dict[str, dict] = {}
     for ax, step in zip(axes[0], steps, strict=True):
         for name, group in _by_placement(runs).items():
             profiles = [r.by_layer(r.diag_at(step), prefix) for r in group]
@@ -61,6 +71,7 @@ def by_depth(runs: Sequence[RunRecord], path: Path, prefix: str, steps: Sequence
                 continue
             depth = min(map(len, profiles))
             mean = [sum(p[i] for p in profiles) / len(profiles) for i in range(depth)]
+            series[f"{name}@step{step}"] = {"x": list(range(1, depth + 1)), "y": mean}
             ax.plot(range(1, depth + 1), mean, marker="o", markersize=3, label=name)
         ax.set(xlabel="block", ylabel=ylabel, title=f"{title} — step {step}")
         if not ax.lines:
@@ -71,17 +82,16 @@ def by_depth(runs: Sequence[RunRecord], path: Path, prefix: str, steps: Sequence
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, series)
 
 
 def knob_curve(points: dict[str, list[tuple[float, float]]], path: Path, knob: str, log_x: bool) -> Path:
     """Final loss against the swept value per placement; diverged points (NaN) are drawn as crosses."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, dict] = {}
     for name, pts in points.items():
         pts = sorted(pts)
+        series[name] = {"x": [x for x, _ in pts], "y": [y if math.isfinite(y) else None for _, y in pts]}
         ok = [(x, y) for x, y in pts if math.isfinite(y)]
         line, = ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=name)
         bad = [x for x, y in pts if not math.isfinite(y)]
@@ -93,7 +103,4 @@ def knob_curve(points: dict[str, list[tuple[float, float]]], path: Path, knob: s
         ax.set_xscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, series)
