@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from hybridnorm.config import ModelConfig, _check_fields
+from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.optim import OptimConfig
 
@@ -64,9 +65,11 @@ class TrainConfig:
     ckpt_interval: int = 100
     keep_last: int = 3
     out_dir: str = "runs/default"
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)  # off unless every > 0
 
     def __post_init__(self) -> None:
-        for name, cls in (("model", ModelConfig), ("data", DataConfig), ("optim", OptimConfig)):
+        for name, cls in (("model", ModelConfig), ("data", DataConfig), ("optim", OptimConfig),
+                          ("diagnostics", DiagnosticsConfig)):
             value = getattr(self, name)
             if isinstance(value, dict):
                 _check_fields(name, value, cls)
@@ -78,6 +81,7 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         self.data.validate()
         self.optim.validate()
+        self.diagnostics.validate()
         for name in ("batch_size", "grad_accum", "seq_len", "log_interval", "eval_interval", "ckpt_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

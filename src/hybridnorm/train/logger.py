@@ -16,6 +16,10 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+# Record kinds written to metrics.jsonl and TensorBoard but not echoed: a per-layer ``diag`` record holds
+# ~100 numbers, which would bury the progress line.
+SILENT_KINDS = ("diag",)
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, enabled: bool = True,
@@ -55,6 +59,8 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.tb.add_scalar(f"{kind}/{key}", value, step)
+        if kind in SILENT_KINDS:
+            return
         line = self._line(step, kind, metrics)
         if kind == "train" and self.live:
             self.progress.update(self.task, completed=step, stats=line)

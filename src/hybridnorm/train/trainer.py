@@ -1,13 +1,19 @@
 """The training loop: one function, :func:`train`, from a :class:`TrainConfig` to a run folder.
 
 Per optimizer step: LR from the schedule → ``grad_accum`` micro-batches (bf16 autocast if asked; DDP
-syncs only on the last) → clip → non-finite guard → AdamW → log / eval / checkpoint. SIGINT and
-SIGTERM finish the current step, save a checkpoint and return ``interrupted``. ``resume=True``
+syncs only on the last) → clip → non-finite guard → spike guard → AdamW → log / eval / checkpoint.
+SIGINT and SIGTERM finish the current step, save a checkpoint and return ``interrupted``. ``resume=True``
 continues from the newest good checkpoint of ``out_dir`` exactly: weights, optimizer, RNG, data
 position and step, so N + N resumed steps reproduce 2N uninterrupted steps bitwise on CPU.
 
 Run folder: ``config.yaml`` (resolved), ``metrics.jsonl``, ``tb/``, ``checkpoints/step_*``,
 ``tokenizer.json``; ``divergence.json`` if the guard stopped the run.
+
+Diagnostics (``cfg.diagnostics``, :mod:`hybridnorm.diagnostics`): per-layer statistics on collection steps,
+logged as ``diag`` records; a loss / grad-norm spike is logged as an ``event`` record and, with
+``skip_spikes``, its update is dropped: the step still counts (step number, LR schedule, tokens and data
+position advance as if it had been taken; AdamW's own step count does not), and the spike detector's window
+is checkpointed, so a resumed run skips exactly the same steps.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybridnorm.data import TokenBatches, prepare_data, val_batches
+from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM, lm_loss
 from hybridnorm.train.checkpoint import (
@@ -141,9 +148,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
     batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,
                            world_size=d.world_size)
     state = TrainState()
+    spikes = SpikeDetector(cfg.diagnostics.spike_window, cfg.diagnostics.spike_zscore)
     if ckpt is not None:
         state = load_checkpoint(ckpt, model, optimizer)
         batches.load_state_dict(state.data)
+        spikes.load_state_dict(state.extra.get("spike_detector", {}))
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
@@ -164,9 +173,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
     peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     fpt = flops_per_token(model, cfg.seq_len)
     global_tokens = cfg.tokens_per_step * d.world_size
+    # rank 0 only: nothing in it communicates, and the other ranks would only throw the numbers away
+    diag = Diagnostics(model, cfg.diagnostics, enabled=d.is_main, forward_probes=not cfg.compile)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the divergence report's re-run
+        with _autocast(cfg, device):
+            return lm_loss(model(x), y)
 
     def save() -> None:
         state.data = batches.state_dict()
+        state.extra["spike_detector"] = spikes.state_dict()
         if d.is_main:
             save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last)
         barrier(d)
@@ -177,25 +193,42 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
     with _StopFlag() as stop:
         while state.step < cfg.max_steps:
             set_lr(optimizer, lr := lr_at(state.step, cfg.optim, cfg.max_steps))
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.grad_accum):
-                x, y = (t.to(device) for t in next(batches))
-                sync = contextlib.nullcontext() if (not d.enabled or micro == cfg.grad_accum - 1) \
-                    else step_model.no_sync()
-                with sync, _autocast(cfg, device):
-                    logits, aux = step_model(x, return_aux=True)
-                    loss = lm_loss(logits, y)
-                    total = loss + aux["aux_loss"] if aux else loss
-                    (total / cfg.grad_accum).backward()
-                loss_sum += loss.detach()
+            loss_sum, micro_batches = torch.zeros((), device=device), []
+            with diag.capture(state.step + 1):  # hooks and probes on collection steps only
+                for micro in range(cfg.grad_accum):
+                    x, y = (t.to(device) for t in next(batches))
+                    micro_batches.append((x, y))
+                    sync = contextlib.nullcontext() if (not d.enabled or micro == cfg.grad_accum - 1) \
+                        else step_model.no_sync()
+                    with sync, _autocast(cfg, device):
+                        logits, aux = step_model(x, return_aux=True)
+                        loss = lm_loss(logits, y)
+                        total = loss + aux["aux_loss"] if aux else loss
+                        (total / cfg.grad_accum).backward()
+                    loss_sum += loss.detach()
+            diag.after_backward()  # per-layer gradient norms before clipping
             clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             loss_avg = all_reduce_mean(loss_sum / cfg.grad_accum, d)
-            if not (math.isfinite(loss_avg.item()) and math.isfinite(grad_norm.item())):
-                _report_divergence(run_dir, state.step, loss_avg.item(), grad_norm.item(), model, d, log)
+            loss_v, grad_norm_v = loss_avg.item(), grad_norm.item()
+            if not (math.isfinite(loss_v) and math.isfinite(grad_norm_v)):
+                diag.pop_metrics()  # a collected step's own statistics become diag.last
+                report = divergence_report(
+                    step=state.step + 1, loss=loss_v, grad_norm=grad_norm_v, model=model, batches=micro_batches,
+                    loss_fn=loss_of, recent_losses=spikes.state_dict()["loss"], last_diagnostics=diag.last,
+                    last_checkpoint=str(latest_checkpoint(run_dir / "checkpoints")))
+                _report_divergence(run_dir, report, d, log)
                 result.diverged = True
                 break
-            optimizer.step()
+            # loss and grad norm are the same on every rank (all-reduced / synced): so is the skip decision
+            spike = spikes.check(loss_v, grad_norm_v)
+            skip = spike is not None and cfg.diagnostics.skip_spikes
+            if spike is not None:
+                log.log(state.step + 1, {"event": "spike", **spike.to_dict(), "skipped": skip}, "event")
+            if not skip:
+                diag.before_update()
+                optimizer.step()
+                diag.after_update()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.tokens += global_tokens
@@ -210,6 +243,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
                 if aux:
                     metrics.update({k: all_reduce_mean(v.detach(), d).item() for k, v in aux.items()})
                 log.log(state.step, metrics)
+            if diag_metrics := diag.pop_metrics():
+                log.log(state.step, diag_metrics, "diag")
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
                 result.val_loss = evaluate(model, val_tokens, cfg, device, d)
                 log.log(state.step, {"val_loss": result.val_loss, "val_ppl": math.exp(min(result.val_loss, 50))},
@@ -235,15 +270,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
     return result
 
 
-def _report_divergence(run_dir: Path, step: int, loss: float, grad_norm: float, model: torch.nn.Module,
-                       d: Dist, log: MetricsLogger) -> None:
-    """Write ``divergence.json`` naming the first parameter whose gradient is not finite."""
-    first_bad = next((name for name, p in model.named_parameters()
-                      if p.grad is not None and not torch.isfinite(p.grad).all()), None)
-    report = {"step": step, "loss": loss, "grad_norm": grad_norm, "first_nonfinite_grad": first_bad,
-              "last_checkpoint": str(latest_checkpoint(run_dir / "checkpoints"))}
+def _report_divergence(run_dir: Path, report: dict, d: Dist, log: MetricsLogger) -> None:
+    """Write ``divergence.json`` (see :func:`hybridnorm.diagnostics.divergence_report`) and say so."""
     if d.is_main:
         (run_dir / "divergence.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    log.message(f"[red]non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}, "
-                f"first bad grad: {first_bad}); stopped without stepping — the last checkpoint is intact. "
+    log.message(f"[red]non-finite loss or gradient at step {report['step']} (loss {report['loss']}, grad norm "
+                f"{report['grad_norm']}, first non-finite: {report['first_nonfinite']}, found by "
+                f"{report['first_nonfinite_from']}); stopped without stepping — the last checkpoint is intact. "
                 f"Report: {run_dir / 'divergence.json'}")
