@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted: checkpoints are saved; run the same command again to continue", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         warnings.formatwarning = old_format
 

@@ -1,5 +1,5 @@
 """Fixtures for the diagnostics tests: the training tests' tiny corpus / config factory (their helpers live
-in tests/train), and the attention probe stand-in (:mod:`probe_patch`) until ``Attention`` has its own."""
+in tests/train)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
-from probe_patch import ensure_attention_probe
 from train_helpers import tiny_overrides, write_corpus
 
 from hybridnorm.data import prepare_data
 from hybridnorm.train.config import TrainConfig, apply_overrides
-
-
-@pytest.fixture(autouse=True)
-def attention_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    ensure_attention_probe(monkeypatch)
 
 
 @pytest.fixture(scope="session")

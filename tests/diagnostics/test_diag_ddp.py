@@ -27,12 +27,9 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, overrides: list[str], report_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    from probe_patch import ensure_attention_probe
-
     import hybridnorm.train.trainer as trainer
     from hybridnorm.train.config import TrainConfig, apply_overrides
 
-    ensure_attention_probe()  # a fresh process: the test's monkeypatch is not here
     trainer.measured_peak_flops = lambda *a, **k: 1e12
     try:
         result = trainer.train(TrainConfig.from_dict(apply_overrides({}, overrides)))

@@ -41,7 +41,8 @@ def run_one(base: TrainConfig, placement: str, seed: int, run_dir: Path, log: bo
     cfg.validate()
     if log:
         print(f"[compare] {placement} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
-    train(cfg, resume=True, quiet=True)
+    if train(cfg, resume=True, quiet=True).interrupted:
+        raise KeyboardInterrupt  # Ctrl-C / SIGTERM stops the whole comparison, not just this run
     return read_run(run_dir, placement, seed)
 
 

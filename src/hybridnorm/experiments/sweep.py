@@ -41,7 +41,8 @@ def run_sweep(base: TrainConfig, placement_names: Sequence[str], knob: str, valu
             overrides.append(f"--out_dir={run_dir}")
             cfg = TrainConfig.from_dict(apply_overrides(base.to_dict(), overrides))
             print(f"[sweep] {name} {key}={value} -> {run_dir}", flush=True)
-            train(cfg, resume=True, quiet=True)
+            if train(cfg, resume=True, quiet=True).interrupted:
+                raise KeyboardInterrupt  # stop the whole sweep; re-running it continues where it stopped
             runs.append(read_run(run_dir, name, seed, knob=value))
     out.mkdir(parents=True, exist_ok=True)
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)

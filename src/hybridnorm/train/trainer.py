@@ -180,6 +180,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
         with _autocast(cfg, device):
             return lm_loss(model(x), y)
 
+    def run_eval() -> None:
+        result.val_loss = evaluate(model, val_tokens, cfg, device, d)
+        log.log(state.step, {"val_loss": result.val_loss, "val_ppl": math.exp(min(result.val_loss, 50))}, "eval")
+
     def save() -> None:
         state.data = batches.state_dict()
         state.extra["spike_detector"] = spikes.state_dict()
@@ -246,9 +250,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
             if diag_metrics := diag.pop_metrics():
                 log.log(state.step, diag_metrics, "diag")
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
-                result.val_loss = evaluate(model, val_tokens, cfg, device, d)
-                log.log(state.step, {"val_loss": result.val_loss, "val_ppl": math.exp(min(result.val_loss, 50))},
-                        "eval")
+                run_eval()
             out_of_time = cfg.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.max_minutes
             out_of_steps = cfg.stop_after_steps > 0 and state.step - first_step >= cfg.stop_after_steps
             stop_now = all_reduce_max(torch.tensor(float(stop.signal is not None or out_of_time or out_of_steps)),
@@ -257,6 +259,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
                 save()
             if stop_now:
                 result.interrupted = stop.signal is not None
+                if out_of_time and state.step % cfg.eval_interval:  # report the loss of the model we stop with
+                    run_eval()
                 why = " (signal)" if stop.signal else " (time limit)" if out_of_time else " (stop_after_steps)"
                 log.message(f"stopped at step {state.step}{why}"
                             + f"; checkpoint saved in {run_dir / 'checkpoints'}")
