@@ -3,8 +3,8 @@
 
 A training step is: forward -> cross-entropy (fp32 logits) -> backward -> AdamW step -> zero_grad.
 
-Compared, in ONE run and with the models ALTERNATING step by step after warmup (A, B, C, A, B, C, ...;
-the median step time of each is reported):
+Compared, in ONE run and with the models INTERLEAVED step by step after warmup (round r runs each model
+once, the order rotated by r: A B C, B C A, C A B, ...; the median step time of each is reported):
 
   (a) our ``placement="pre"`` model  vs  ``transformers.LlamaForCausalLM`` built locally from a LlamaConfig
       of identical size (d, layers, heads, KV heads, intermediate size, vocab, tied embeddings, RMSNorm eps,
