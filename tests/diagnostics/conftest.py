@@ -1,41 +1,13 @@
-"""Fixtures for the diagnostics tests: the training tests' tiny corpus / config factory (their helpers live
-in tests/train)."""
+"""Reuse the training tests' tiny corpus, byte-level cache and config factory (tests/train/conftest.py)."""
 
-from __future__ import annotations
-
+import importlib.util
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-import pytest
+_train = Path(__file__).resolve().parents[1] / "train"
+sys.path.insert(0, str(_train))  # for `from train_helpers import ...` here and in the test modules
+_spec = importlib.util.spec_from_file_location("train_conftest", _train / "conftest.py")
+_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_mod)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-
-from train_helpers import tiny_overrides, write_corpus
-
-from hybridnorm.data import prepare_data
-from hybridnorm.train.config import TrainConfig, apply_overrides
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "docs")
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    cache = tmp_path_factory.mktemp("cache")
-    prepare_data(str(corpus), tokenizer="bytes", cache_dir=cache)
-    return cache
-
-
-@pytest.fixture
-def make_cfg(corpus: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., TrainConfig]:
-    import hybridnorm.train.trainer as trainer
-
-    monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)  # skip the slow matmul timing
-
-    def make(out_dir: Path, *extra: str) -> TrainConfig:
-        return TrainConfig.from_dict(apply_overrides({}, [*tiny_overrides(corpus, cache_dir, out_dir), *extra]))
-
-    return make
+corpus, cache_dir, make_cfg, no_peak_measure = _mod.corpus, _mod.cache_dir, _mod.make_cfg, _mod.no_peak_measure
