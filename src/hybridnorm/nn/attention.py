@@ -204,7 +204,9 @@ class Attention(nn.Module):
         return norm(x.flatten(-2)).view_as(x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> Tensor:
+                layer: int = 0, mask: Tensor | None = None) -> Tensor:
+        """``mask`` (B, 1, T, S) bool, True = may attend, replaces the causal rule when given (padded
+        batches, see :meth:`TransformerLM.forward`); S counts the cached keys too."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.w_qkv(x).view(B, T, H + 2 * Hkv, D)
@@ -235,8 +237,8 @@ class Attention(nn.Module):
         if cache is not None:
             start = cache.pos
             k, v = cache.update(layer, k, v)  # (B, Hkv, start + T, D)
-        mask, causal = None, start == 0 and T > 1
-        if start > 0 and T > 1:  # a chunk after a cached prefix: query i sees keys <= start + i
+        causal = mask is None and start == 0 and T > 1
+        if mask is None and start > 0 and T > 1:  # a chunk after a cached prefix: query i sees keys <= start + i
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
         if Hkv != H and not _ENABLE_GQA:
             k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))

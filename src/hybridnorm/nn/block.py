@@ -64,9 +64,10 @@ class Block(nn.Module):
         out = skip + h
         return post_norm(out) if post_norm is not None else out
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
+                mask: Tensor | None = None) -> Tensor:
         def attn(u: Tensor) -> Tensor:
-            return self.attn(u, cos, sin, cache, self.layer)
+            return self.attn(u, cos, sin, cache, self.layer, mask)
 
         y = self._sublayer(x, x, self.spec.attn, attn,
                            self.attn_norm, self.attn_out_norm, self.attn_post_norm)  # (B, T, d)

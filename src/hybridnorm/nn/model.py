@@ -48,22 +48,38 @@ class TransformerLM(nn.Module):
     def is_moe(self) -> bool:
         return self.config.moe is not None
 
-    def forward(self, input_ids: Tensor, *, cache: KVCache | None = None,
-                return_aux: bool = False) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+    def forward(self, input_ids: Tensor, *, cache: KVCache | None = None, return_aux: bool = False,
+                attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """Logits (B, T, V) for token ids (B, T); with ``return_aux`` also the MoE losses.
 
-        ``V`` is ``config.embedding_size`` (the vocab padded to ``pad_vocab_multiple``).
+        ``V`` is ``config.embedding_size`` (the vocab padded to ``pad_vocab_multiple``). ``cache`` is a
+        :class:`KVCache` or anything with its ``pos``/``update`` (the HF wrapper adapts a transformers
+        cache). Padded batches (HF convention): ``attention_mask`` (B, cached + T), 1 = real token, 0 =
+        padding that no query may attend to; positions then count real tokens only (left padding shifts
+        nothing) unless ``position_ids`` (B, T) gives them. An all-ones mask costs nothing.
         """
-        T = input_ids.shape[1]
+        B, T = input_ids.shape
         start = cache.pos if cache is not None else 0
-        if start + T > self.config.max_seq_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = _padding_mask(attention_mask, start, T)  # (B, 1, T, start + T)
+            if position_ids is None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
+        if position_ids is None:
+            if start + T > self.config.max_seq_len:
+                raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, D/2)
+        else:
+            if position_ids.numel() and int(position_ids.max()) >= self.config.max_seq_len:
+                raise ValueError(f"position {int(position_ids.max())} exceeds max_seq_len={self.config.max_seq_len}")
+            position_ids = position_ids.expand(B, T)
+            cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]  # (B, T, D/2)
         x = self.embed(input_ids)  # (B, T, d)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         for block in self.blocks:
-            x = block(x, cos, sin, cache)
+            x = block(x, cos, sin, cache, mask)
         if cache is not None:
             cache.pos += T
         if self.final_norm is not None:
@@ -122,6 +138,18 @@ class TransformerLM(nn.Module):
             if i + 1 < max_new_tokens:
                 logits = self(nxt, cache=cache)[:, -1]
         return torch.cat(out, dim=1)
+
+
+def _padding_mask(attention_mask: Tensor, start: int, T: int) -> Tensor:
+    """(B, start + T) 0/1 padding mask -> (B, 1, T, start + T) bool: causal AND key is not padding. A
+    padding query still sees itself, so no softmax row is empty (NaN); its output is never used."""
+    S = attention_mask.shape[1]
+    if S != start + T:
+        raise ValueError(f"attention_mask covers {S} positions; expected cached {start} + new {T}")
+    keys = torch.arange(S, device=attention_mask.device)
+    queries = keys[start:, None]  # (T, 1) absolute index of each query
+    allowed = (keys <= queries) & attention_mask.bool()[:, None, :]  # (B, T, S)
+    return (allowed | (keys == queries))[:, None]
 
 
 def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:

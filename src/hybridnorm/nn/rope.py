@@ -51,13 +51,14 @@ class _Rope(torch.autograd.Function):
 
 
 def rope_cos_sin(cos: Tensor, sin: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(T, D/2) tables -> (T, 1, D/2) in ``dtype``, ready to broadcast over (B, T, H, D/2)."""
-    return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+    """(T, D/2) tables -> (T, 1, D/2) in ``dtype``, ready to broadcast over (B, T, H, D/2); per-sequence
+    tables (B, T, D/2) (left-padded batches) -> (B, T, 1, D/2)."""
+    return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (B, T, H, D) by position; cos/sin are (T, D/2) rows for exactly those positions."""
-    cos, sin = rope_cos_sin(cos, sin, x.dtype)  # (T, 1, D/2)
+    """Rotate x (B, T, H, D) by position; cos/sin are (T, D/2) or (B, T, D/2) rows for those positions."""
+    cos, sin = rope_cos_sin(cos, sin, x.dtype)  # (T, 1, D/2) or (B, T, 1, D/2)
     if cos.requires_grad or sin.requires_grad:  # learned tables: let autograd differentiate them too
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
