@@ -1,0 +1,186 @@
+"""``hybridnorm export`` / ``hybridnorm import``: run folders <-> Hugging Face model folders.
+
+Export writes a folder that ``transformers`` loads with ``from_pretrained``: a stock class where one
+computes exactly the same function (:func:`hybridnorm.hf.stock.match_stock`), so the model runs anywhere
+Llama/Qwen3/OLMo-2/... run, else our own ``HybridNormForCausalLM`` (loaded after ``import hybridnorm.hf``,
+or with ``trust_remote_code=True`` through a two-line shim module saved in the folder). The tokenizer is
+saved as a ``PreTrainedTokenizerFast``. Import turns a stock (or our own) folder back into a run folder
+that ``hybridnorm generate|eval|export`` and ``hybridnorm train --resume`` (fine-tuning) accept.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from hybridnorm.config import ModelConfig
+from hybridnorm.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from hybridnorm.errors import ConfigError
+from hybridnorm.hf import stock
+from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
+from hybridnorm.nn.model import TransformerLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ARCH_CHOICES: tuple[str, ...] = ("auto", MODEL_TYPE, *stock.BY_TYPE)
+SHIM = "modeling_hybridnorm.py"
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    class_name: str
+    stock: bool
+    reason: str  # why this class: the match, or why no stock class fits
+
+
+def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """Our tokenizer as a ``PreTrainedTokenizerFast`` with the same ids; ``<|endoftext|>`` (our document
+    separator) serves as bos, eos and pad. The byte tokenizer becomes an equivalent HF byte-level model:
+    a BPE with the 256 byte symbols as ids 0..255 and no merges."""
+    if isinstance(tok, BPETokenizer):
+        inner = tok.hf
+    elif isinstance(tok, ByteTokenizer):
+        inner = _byte_level_tokenizer()
+    else:
+        raise ConfigError(f"cannot convert a {type(tok).__name__} tokenizer to a Hugging Face one")
+    eot = inner.id_to_token(tok.eot_id)
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=eot, eos_token=eot, pad_token=eot,
+                                   model_max_length=int(1e30), clean_up_tokenization_spaces=False)
+
+
+def _byte_level_tokenizer():  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}  # byte b keeps id b
+    vocab[EOT] = 256
+    inner = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.add_special_tokens([EOT])
+    return inner
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the one HF's ByteLevel pre-tokenizer emits:
+    printable Latin-1 bytes stand for themselves, the other 68 bytes for chr(256 + n) in byte order."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer | None = None,
+                 arch: str = "auto", dtype: str = "float32", source: str | None = None) -> ExportResult:
+    """Save ``model`` (and its tokenizer) as a Hugging Face folder; see the module docstring."""
+    if arch not in ARCH_CHOICES:
+        raise ConfigError(f"--arch={arch!r} is not one of {', '.join(ARCH_CHOICES)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"export folder {out} exists and is not empty")
+    mc = model.config
+    match, reason = stock.match_stock(mc)
+    if arch not in ("auto", MODEL_TYPE) and (match is None or match.model_type != arch):
+        raise ConfigError(f"cannot export as {arch}: " + (reason if match is None else
+                                                           f"this model matches {match.model_type}, not {arch}"))
+    eos = tokenizer.eot_id if tokenizer is not None else None
+    sd = {k: v.detach().to(DTYPES[dtype]) for k, v in model.state_dict().items()}
+    if match is not None and arch != MODEL_TYPE:
+        cfg = stock.stock_config_class(match)(**stock.to_hf_config_kwargs(mc, match, eos_token_id=eos))
+        hf = stock.stock_model_class(match)(cfg)
+        hf.load_state_dict(stock.to_hf_state_dict(sd, mc, match), strict=True)
+        class_name, is_stock = match.class_name, True
+    else:
+        cfg = HybridNormConfig.from_model_config(mc, bos_token_id=eos, eos_token_id=eos)
+        cfg.auto_map = {"AutoConfig": f"{SHIM[:-3]}.HybridNormConfig",
+                        "AutoModelForCausalLM": f"{SHIM[:-3]}.HybridNormForCausalLM"}
+        hf = HybridNormForCausalLM(cfg)
+        hf.model.load_state_dict(sd, strict=True)
+        class_name, is_stock = "HybridNormForCausalLM", False
+        if arch == MODEL_TYPE and match is not None:
+            reason = f"--arch={MODEL_TYPE} asked for hybridnorm's own class ({reason})"
+    hf = hf.to(DTYPES[dtype])
+    cfg.dtype = DTYPES[dtype]
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out)
+    if tokenizer is not None:
+        hf_tokenizer(tokenizer).save_pretrained(out)
+    if not is_stock:
+        (out / SHIM).write_text(
+            "# hybridnorm's own HF class, for from_pretrained(..., trust_remote_code=True).\n"
+            "# Needs `pip install 'hybridnorm[hf]'`; `import hybridnorm.hf` registers it without this file.\n"
+            "from hybridnorm.hf.modeling import HybridNormConfig, HybridNormForCausalLM  # noqa: F401\n",
+            encoding="utf-8")
+    (out / "hybridnorm_export.json").write_text(json.dumps({
+        "class": class_name, "stock": is_stock, "reason": reason, "placement": mc.resolved_placement().to_dict(),
+        "source": source}, indent=1, default=str), encoding="utf-8")
+    return ExportResult(out, class_name, is_stock, reason)
+
+
+def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype: str = "float32") -> ExportResult:
+    """Export a run folder (its newest good checkpoint) or one ``checkpoints/step_*`` folder."""
+    from hybridnorm.train.load import load_run
+
+    run = load_run(path)
+    return export_model(run.model, out_dir, run.tokenizer, arch=arch, dtype=dtype, source=str(run.checkpoint))
+
+
+def load_hf(path: str | Path) -> tuple[TransformerLM, str]:
+    """A local HF folder (stock class or ours) -> (TransformerLM in fp32 with its weights, model_type)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
+    try:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path / 'config.json'}: {e}") from None
+    if cfg.model_type == MODEL_TYPE:
+        mc = cfg.model_config()
+        hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        model = hf.model
+    else:
+        mc, arch = stock.from_hf_config(cfg)
+        hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        model = TransformerLM(mc)
+        model.load_state_dict(stock.from_hf_state_dict(hf.state_dict(), mc, arch), strict=True)
+    return model.eval(), cfg.model_type
+
+
+def import_hf(path: str | Path, out_dir: str | Path) -> Path:
+    """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000)."""
+    from hybridnorm.train.checkpoint import TrainState, save_checkpoint
+    from hybridnorm.train.config import DataConfig, TrainConfig
+
+    path, out = Path(path), Path(out_dir)
+    if (out / "checkpoints").exists():
+        raise ConfigError(f"{out} already holds a run (checkpoints/); choose a new folder")
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ConfigError(f"{path} has no tokenizer.json (a fast tokenizer is needed to use the model)")
+    model, _ = load_hf(path)
+    tokenizer = load_tokenizer(tok_file)
+    mc: ModelConfig = model.config
+    if tokenizer.vocab_size > mc.embedding_size:
+        raise ConfigError(f"{tok_file} has {tokenizer.vocab_size} tokens but the model only "
+                          f"{mc.embedding_size} embedding rows")
+    if tokenizer.vocab_size < mc.embedding_size:  # HF pads vocabularies; keep the rows, sample only real ids
+        mc.vocab_size, mc.pad_vocab_multiple = tokenizer.vocab_size, mc.embedding_size
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(out)
+    cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str((out / "tokenizer.json").resolve())),
+                      seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(out))
+    (out / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+    opt = torch.optim.AdamW(model.parameters())
+    save_checkpoint(out / "checkpoints", model, opt, TrainState(step=0, tokens=0))
+    return out
