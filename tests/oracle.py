@@ -105,7 +105,7 @@ class BlockCtx:
         """MHA_#(u): causal GQA attention with per-head (or full-width) norms on ``letters``, then W_O."""
         cfg, W = self.cfg, self.W
         H, Hkv = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-        D = cfg.d_model // H
+        D = cfg.head_dim
         p = f"blocks.{self.i}.attn"
         B, T, _ = u.shape
         qkv = u @ W(p + ".w_qkv.weight").T                   # rows [q heads; k heads; v heads]

@@ -58,6 +58,7 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int | None = None          # None: = n_heads (no GQA)
+    attn_head_dim: int | None = None       # None: d_model / n_heads (Qwen3 decouples: 128 at d=1024, 16 heads)
     ffn_hidden_size: int = 688
     max_seq_len: int = 512
     rope_theta: float = 500_000.0
@@ -84,7 +85,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
 
     @property
     def embedding_size(self) -> int:
@@ -110,13 +111,16 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ModelConfig.{name}={v!r} must be a positive integer")
-        if self.d_model % self.n_heads:
+        if self.attn_head_dim is not None and (not isinstance(self.attn_head_dim, int) or self.attn_head_dim < 2):
+            raise ConfigError(f"ModelConfig.attn_head_dim={self.attn_head_dim!r} must be an integer >= 2 or null")
+        if self.attn_head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(f"ModelConfig.n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must be >= 1 and divide "
                               f"n_heads={self.n_heads}")
         if self.head_dim % 2:
-            raise ConfigError(f"ModelConfig: head dim d_model/n_heads={self.head_dim} must be even for RoPE")
+            raise ConfigError(f"ModelConfig: head dim {self.head_dim} (attn_head_dim or d_model/n_heads) must be even "
+                              "for RoPE")
         if not self.rope_theta > 0:
             raise ConfigError(f"ModelConfig.rope_theta={self.rope_theta} must be > 0")
         if self.norm not in NORMS:

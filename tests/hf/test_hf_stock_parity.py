@@ -36,9 +36,10 @@ CASES = [
 ]
 
 
-def tiny(placement, moe=None, tie=True) -> ModelConfig:
+def tiny(placement, moe=None, tie=True, head_dim=None) -> ModelConfig:
     return ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=48,
-                       max_seq_len=64, rope_theta=10_000.0, placement=placement, tie_embeddings=tie, moe=moe)
+                       max_seq_len=64, rope_theta=10_000.0, placement=placement, tie_embeddings=tie, moe=moe,
+                       attn_head_dim=head_dim)
 
 
 def random_gains(model: torch.nn.Module) -> None:
@@ -87,6 +88,26 @@ def test_import_from_stock_class_matches(tmp_path: Path, placement, moe, class_n
         assert (run.model(ids()) - theirs(ids()).logits).abs().max().item() <= TOL
     placement_name = run.config.model.resolved_placement().name
     assert placement_name == (placement if isinstance(placement, str) else placement["name"])
+
+
+@pytest.mark.parametrize("class_name", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_decoupled_head_dim_round_trips(tmp_path: Path, class_name: str) -> None:
+    """Real Qwen3 checkpoints have head_dim 128 with hidden_size / heads = 64: a stock model with
+    head_dim != hidden/heads imports and exports with equal logits; OLMo-2, which derives it, refuses."""
+    arch = next(a for a in stock.ARCHS if a.class_name == class_name)
+    placement = "qk_norm" if class_name.startswith("Qwen3") else "pre"
+    kwargs = stock.to_hf_config_kwargs(tiny(placement, head_dim=16), arch, eos_token_id=256)
+    assert kwargs["head_dim"] == 16 and kwargs["hidden_size"] // kwargs["num_attention_heads"] == 8
+    torch.manual_seed(0)
+    theirs = getattr(transformers, class_name)(stock.stock_config_class(arch)(**kwargs)).eval()
+    random_gains(theirs)
+    theirs.save_pretrained(tmp_path / "hf")
+    ours, _ = load_hf(tmp_path / "hf")
+    assert ours.config.head_dim == 16
+    with torch.no_grad():
+        assert (ours(ids()) - theirs(ids()).logits).abs().max().item() <= TOL
+    assert export_model(ours, tmp_path / "back").class_name == class_name
+    assert "derives it" in stock.match_stock(tiny("olmo2", head_dim=16))[1]
 
 
 def test_stock_generation_matches_ours(tmp_path: Path) -> None:

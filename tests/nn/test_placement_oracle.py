@@ -134,6 +134,12 @@ def test_gqa_variants(name, kv):
     check(name, n_kv_heads=kv)
 
 
+@pytest.mark.parametrize("name", ["hybridnorm_star", "olmo2", "QKVC-Post", "qk_norm"])
+def test_decoupled_head_dim(name):
+    """attn_head_dim != d_model / n_heads (Qwen3's layout): projections and norms follow the head size."""
+    check(name, n_kv_heads=2, attn_head_dim=12)
+
+
 def test_untied_padded_vocab():
     check("hybridnorm_star", tie_embeddings=False, vocab_size=250, pad_vocab_multiple=16)
 

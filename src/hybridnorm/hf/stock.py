@@ -47,6 +47,7 @@ class StockArch:
     sublayer: str        # "pre" | "reordered"
     qk_norm: str         # "" | "head" | "full"
     moe: bool
+    free_head_dim: bool  # config.head_dim may differ from hidden_size / heads (else it is derived)
     # Mixtral always renormalizes the top-k gate weights; the others follow config.norm_topk_prob.
     renormalizes_topk: bool | None = None
 
@@ -66,13 +67,13 @@ class StockArch:
 
 
 ARCHS: tuple[StockArch, ...] = (
-    StockArch("llama", "LlamaForCausalLM", "pre", "", False),
-    StockArch("qwen3", "Qwen3ForCausalLM", "pre", "head", False),
-    StockArch("olmo2", "Olmo2ForCausalLM", "reordered", "full", False),
-    StockArch("mixtral", "MixtralForCausalLM", "pre", "", True, renormalizes_topk=True),
-    StockArch("qwen3_moe", "Qwen3MoeForCausalLM", "pre", "head", True),
-    StockArch("olmoe", "OlmoeForCausalLM", "pre", "full", True),
-    StockArch("flex_olmo", "FlexOlmoForCausalLM", "reordered", "full", True),
+    StockArch("llama", "LlamaForCausalLM", "pre", "", False, True),
+    StockArch("qwen3", "Qwen3ForCausalLM", "pre", "head", False, True),
+    StockArch("olmo2", "Olmo2ForCausalLM", "reordered", "full", False, False),
+    StockArch("mixtral", "MixtralForCausalLM", "pre", "", True, True, renormalizes_topk=True),
+    StockArch("qwen3_moe", "Qwen3MoeForCausalLM", "pre", "head", True, True),
+    StockArch("olmoe", "OlmoeForCausalLM", "pre", "full", True, False),
+    StockArch("flex_olmo", "FlexOlmoForCausalLM", "reordered", "full", True, False),
 )
 BY_TYPE = {a.model_type: a for a in ARCHS}
 
@@ -109,6 +110,8 @@ def match_stock(mc: ModelConfig) -> tuple[StockArch | None, str]:
     for arch in ARCHS:
         if (arch.sublayer, arch.qk_norm, arch.moe) != (sublayer, qk, mc.moe is not None):
             continue
+        if mc.head_dim * mc.n_heads != mc.d_model and not arch.free_head_dim:
+            return None, f"attn_head_dim={mc.head_dim} != d_model/n_heads: {arch.class_name} derives it"
         if mc.moe is not None and arch.renormalizes_topk is not None \
                 and arch.renormalizes_topk != mc.moe.normalize_topk:
             return None, f"moe.normalize_topk={mc.moe.normalize_topk}: {arch.class_name} always renormalizes"
@@ -129,7 +132,7 @@ def to_hf_config_kwargs(mc: ModelConfig, arch: StockArch, eos_token_id: int | No
         max_position_embeddings=mc.max_seq_len, rms_norm_eps=mc.norm_eps, hidden_act="silu",
         tie_word_embeddings=mc.tie_embeddings, attention_bias=False,
         rope_parameters={"rope_type": "default", "rope_theta": float(mc.rope_theta)})
-    if arch.model_type in ("llama", "qwen3", "mixtral"):
+    if arch.free_head_dim:
         kw["head_dim"] = mc.head_dim
     if arch.model_type == "llama":
         kw["mlp_bias"] = False
@@ -172,10 +175,7 @@ def from_hf_config(cfg: Any) -> tuple[ModelConfig, StockArch]:
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"{where}: rope_type={rope.get('rope_type')!r}; only the default RoPE is supported")
     d, heads = cfg.hidden_size, cfg.num_attention_heads
-    head_dim = _get(cfg, "head_dim") or d // heads
-    if head_dim * heads != d:
-        raise ConfigError(f"{where}: head_dim={head_dim} x {heads} heads != hidden_size={d}; hybridnorm "
-                          "requires head_dim = hidden_size / num_attention_heads")
+    head_dim = (_get(cfg, "head_dim") if arch.free_head_dim else None) or d // heads
     moe = None
     ffn = cfg.intermediate_size
     if arch.moe:
@@ -190,6 +190,7 @@ def from_hf_config(cfg: Any) -> tuple[ModelConfig, StockArch]:
     mc = ModelConfig(
         vocab_size=cfg.vocab_size, d_model=d, n_layers=cfg.num_hidden_layers, n_heads=heads,
         n_kv_heads=_get(cfg, "num_key_value_heads") or heads, ffn_hidden_size=ffn,
+        attn_head_dim=None if head_dim * heads == d else head_dim,
         max_seq_len=cfg.max_position_embeddings, rope_theta=float(rope.get("rope_theta", 10000.0)),
         tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), placement=arch.placement.to_dict(),
         norm="rms", norm_eps=float(cfg.rms_norm_eps), init="normal", moe=moe)

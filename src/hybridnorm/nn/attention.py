@@ -147,10 +147,10 @@ class Attention(nn.Module):
     probe: bool = False
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, spec: BlockSpec, norm: str,
-                 eps: float, norm_scale: float = 1.0) -> None:
+                 eps: float, norm_scale: float = 1.0, head_dim: int | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.head_dim = d = d_model // n_heads
+        self.head_dim = d = head_dim or d_model // n_heads
         self.w_qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * d, bias=False)  # rows [q; k; v]
         self.w_o = nn.Linear(n_heads * d, d_model, bias=False)
         self.scope, self.order = spec.qkv_norm_scope, spec.qkv_norm_order

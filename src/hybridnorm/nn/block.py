@@ -41,7 +41,8 @@ class Block(nn.Module):
             slot(spec.attn.in_norm), slot(spec.attn.out_norm), slot(spec.attn.post_norm))
         self.ffn_norm, self.ffn_out_norm, self.ffn_post_norm = (
             slot(spec.ffn.in_norm), slot(spec.ffn.out_norm), slot(spec.ffn.post_norm))
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, spec, cfg.norm, cfg.norm_eps, scale)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, spec, cfg.norm, cfg.norm_eps, scale,
+                              head_dim=cfg.head_dim)
         if cfg.moe is None:
             self.ffn: nn.Module = SwiGLU(cfg.d_model, cfg.ffn_hidden_size)
         else:

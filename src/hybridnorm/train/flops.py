@@ -7,7 +7,8 @@ Training FLOPs per token (PaLM appendix B, causal attention counted once):
 N_matmul is every weight that takes part in a matmul for a token: all block weights (for MoE only the
 top-k experts' share) plus the LM head (a tied head still multiplies), but not the embedding lookup. The
 attention term is QKᵀ and AV: 2 matmuls × 2 FLOPs × (T/2 keys on average under the causal mask) × d,
-times 3 for forward + backward. MFU = achieved FLOP/s ÷ the peak measured here with a large matmul in
+times 3 for forward + backward (here d = n_heads · head_dim: d_model unless ``attn_head_dim`` is set).
+MFU = achieved FLOP/s ÷ the peak measured here with a large matmul in
 the run's precision — a peak measured on this machine, not a datasheet number.
 """
 
@@ -28,7 +29,7 @@ def matmul_params(model: nn.Module) -> int:
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     cfg = model.config
-    return 6.0 * matmul_params(model) + 6.0 * cfg.n_layers * cfg.d_model * seq_len
+    return 6.0 * matmul_params(model) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
 
 
 @functools.lru_cache(maxsize=8)
