@@ -145,13 +145,15 @@ def load_hf(path: str | Path) -> tuple[TransformerLM, str]:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read {path / 'config.json'}: {e}") from None
-    if cfg.model_type == MODEL_TYPE:
-        mc = cfg.model_config()
+    if cfg.model_type != MODEL_TYPE:
+        mc, arch = stock.from_hf_config(cfg)  # refuses what our model cannot express, before any weights load
+    try:
         hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except Exception as e:  # safetensors, OSError, shape mismatches: all mean a broken folder
+        raise ConfigError(f"cannot load the weights in {path}: {type(e).__name__}: {e}") from None
+    if cfg.model_type == MODEL_TYPE:
         model = hf.model
     else:
-        mc, arch = stock.from_hf_config(cfg)
-        hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
         model = TransformerLM(mc)
         model.load_state_dict(stock.from_hf_state_dict(hf.state_dict(), mc, arch), strict=True)
     return model.eval(), cfg.model_type
@@ -165,6 +167,8 @@ def import_hf(path: str | Path, out_dir: str | Path) -> Path:
     path, out = Path(path), Path(out_dir)
     if (out / "checkpoints").exists():
         raise ConfigError(f"{out} already holds a run (checkpoints/); choose a new folder")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise ConfigError(f"{path} has no tokenizer.json (a fast tokenizer is needed to use the model)")
