@@ -9,10 +9,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-import transformers  # noqa: E402
+import transformers
 
-from hybridnorm.cli import main  # noqa: E402
-from hybridnorm.train.load import load_run  # noqa: E402
+from hybridnorm.cli import main
+from hybridnorm.train.load import load_run
 
 
 def test_export_own_class_then_import_back(trained_run: Path, tmp_path: Path, capsys) -> None:
@@ -84,3 +84,17 @@ def test_truncated_weights_are_refused_by_file_name(trained_run: Path, tmp_path:
     err = capsys.readouterr().err
     assert err.startswith("error:") and str(tmp_path / "hf") in err
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_an_imported_model_fine_tunes_with_train_resume(trained_run: Path, tmp_path: Path, corpus: Path,
+                                                        cache_dir: Path, no_peak_measure: None) -> None:
+    assert main(["export", str(trained_run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ft")]) == 0
+    before = load_run(tmp_path / "ft").model.state_dict()
+    assert main(["train", str(tmp_path / "ft" / "config.yaml"), "--out", str(tmp_path / "ft"), "--resume",
+                 "--max-steps", "2", f"--data.source={corpus}", f"--data.cache_dir={cache_dir}", "--seq_len=32",
+                 "--batch_size=2", "--precision=fp32", "--device=cpu"]) == 0
+    after = load_run(tmp_path / "ft")
+    assert after.checkpoint.name == "step_000002"
+    changed = [k for k, v in after.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed  # it trained from the imported weights, not from scratch

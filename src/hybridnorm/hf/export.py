@@ -163,6 +163,7 @@ def import_hf(path: str | Path, out_dir: str | Path) -> Path:
     """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000)."""
     from hybridnorm.train.checkpoint import TrainState, save_checkpoint
     from hybridnorm.train.config import DataConfig, TrainConfig
+    from hybridnorm.train.optim import build_optimizer
 
     path, out = Path(path), Path(out_dir)
     if (out / "checkpoints").exists():
@@ -185,6 +186,6 @@ def import_hf(path: str | Path, out_dir: str | Path) -> Path:
     cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str((out / "tokenizer.json").resolve())),
                       seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(out))
     (out / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
-    opt = torch.optim.AdamW(model.parameters())
+    opt = build_optimizer(model, cfg.optim)  # the trainer's own param groups, so `train --resume` fine-tunes
     save_checkpoint(out / "checkpoints", model, opt, TrainState(step=0, tokens=0))
     return out

@@ -151,7 +151,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
     spikes = SpikeDetector(cfg.diagnostics.spike_window, cfg.diagnostics.spike_zscore)
     if ckpt is not None:
         state = load_checkpoint(ckpt, model, optimizer)
-        batches.load_state_dict(state.data)
+        if state.data:  # empty in an imported model's step-0 checkpoint: the data starts from the top
+            batches.load_state_dict(state.data)
         spikes.load_state_dict(state.extra.get("spike_detector", {}))
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
