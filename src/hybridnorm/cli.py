@@ -119,15 +119,108 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _eval(args: argparse.Namespace, extra: list[str]) -> int:
+    """Validation loss by default; with --mc / --text / --tasks those evaluations instead, as one table."""
     from hybridnorm.train.load import evaluate_run, load_run
 
-    if args.batches < 1:
-        raise ConfigError(f"--batches={args.batches} must be >= 1")
+    for name in ("batches", "batch_size", "limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot={args.num_fewshot} must be >= 0")
+    if not args.tasks and (args.include_path or args.num_fewshot is not None):
+        raise ConfigError("--include-path and --num-fewshot only apply to lm-eval tasks (--tasks a,b)")
+    if not (args.mc or args.text or args.tasks):
+        if args.limit is not None:
+            raise ConfigError("--limit only applies to --mc and --tasks")
+        run = load_run(args.checkpoint)
+        loss, n_tokens = evaluate_run(run, args.data, batch_size=args.batch_size, seq_len=args.seq_len,
+                                      max_batches=args.batches)
+        print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
+              f"of {args.data or run.config.data.source}")
+        if args.output:
+            from hybridnorm.eval.report import write_json
+
+            write_json(args.output, {"checkpoint": str(run.checkpoint), "val": {
+                "source": args.data or run.config.data.source, "loss": loss, "perplexity": math.exp(loss),
+                "tokens": n_tokens}})
+        return 0
+
+    from pathlib import Path
+
+    from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
+
     run = load_run(args.checkpoint)
-    loss, n_tokens = evaluate_run(run, args.data, batch_size=args.batch_size, seq_len=args.seq_len,
-                                  max_batches=args.batches)
-    print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
-          f"of {args.data or run.config.data.source}")
+    if args.device:
+        import torch
+
+        try:
+            run.model.to(torch.device(args.device))
+        except (RuntimeError, AssertionError) as e:  # a malformed name, or CUDA not built in / not present
+            raise ConfigError(f"--device={args.device!r}: {e}") from None
+    rows, notes, out = [], [], {"checkpoint": str(run.checkpoint)}
+    if args.mc:
+        from hybridnorm.eval.multiple_choice import evaluate_mc
+
+        mc = evaluate_mc(run.model, run.tokenizer, args.mc, batch_size=args.batch_size, limit=args.limit)
+        rows += mc_rows(mc, f"mc:{Path(args.mc).name}")
+        out["mc"] = mc.to_dict(per_item=True)
+    if args.text:
+        from hybridnorm.eval.perplexity import perplexity_of_run
+
+        ppl = perplexity_of_run(run, args.text, batch_size=args.batch_size)
+        rows += perplexity_rows(ppl, f"text:{Path(args.text).name}")
+        notes.append(f"text: {ppl.n_docs:,} documents, {ppl.n_tokens:,} tokens, {ppl.n_bytes:,} bytes, "
+                     f"{ppl.n_words:,} words")
+        out["text"] = ppl.to_dict()
+    if args.tasks:
+        import logging
+
+        from hybridnorm.eval.lm_eval_adapter import metric_rows, run_lm_eval
+
+        if not args.debug:  # lm-eval's per-task warnings would bury the table (and a one-line error)
+            logging.getLogger("lm_eval").setLevel(logging.ERROR)
+        res = run_lm_eval(run, _csv(args.tasks, "--tasks"), include_path=args.include_path, limit=args.limit,
+                          num_fewshot=args.num_fewshot, batch_size=args.batch_size)
+        rows += metric_rows(res)
+        out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
+    print_results(rows, f"{run.checkpoint}", notes)
+    if args.output:
+        print(f"results: {write_json(args.output, out)}")
+    return 0
+
+
+def _require_hf(command: str) -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"`hybridnorm {command}` needs transformers: pip install 'hybridnorm[hf]'") from None
+
+
+def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    _require_hf("export")
+    fmt, out = args.to
+    if fmt != "hf":
+        raise ConfigError(f"--to {fmt!r}: the only export format is 'hf' (a Hugging Face model folder)")
+    from hybridnorm.hf.export import export_run
+
+    r = export_run(args.checkpoint, out, arch=args.arch, dtype=args.dtype)
+    kind = "stock class, loads with transformers alone" if r.stock else \
+        "hybridnorm's own class: `import hybridnorm.hf` or from_pretrained(..., trust_remote_code=True)"
+    print(f"exported {args.checkpoint} -> {r.out_dir} as {r.class_name} ({kind})\n  why: {r.reason}")
+    return 0
+
+
+def _import(args: argparse.Namespace, extra: list[str]) -> int:
+    _require_hf("import")
+    from hybridnorm.hf.export import import_hf
+    from hybridnorm.train.load import load_run
+
+    run = load_run(import_hf(args.hf_dir, args.out))
+    mc = run.config.model
+    print(f"imported {args.hf_dir} -> {run.run_dir}: placement {mc.resolved_placement().name}, "
+          f"{run.model.num_params() / 1e6:.2f}M parameters; use it with `hybridnorm generate|eval|export "
+          f"{run.run_dir}` or fine-tune with `hybridnorm train {run.run_dir / 'config.yaml'} --out "
+          f"{run.run_dir} --resume`")
     return 0
 
 
@@ -192,13 +285,44 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=_generate)
 
-    e = sub.add_parser("eval", parents=[common], help="validation loss / perplexity of a checkpoint on a corpus")
+    e = sub.add_parser("eval", parents=[common], help="evaluate a checkpoint: validation loss (default), "
+                       "multiple choice, document perplexity, lm-eval tasks",
+                       description="Without --mc/--text/--tasks: the validation loss and perplexity of the run's "
+                                   "corpus (or --data). With them: those evaluations, printed as one table.")
     e.add_argument("checkpoint")
     e.add_argument("--data", help="corpus (default: the run's own validation split)")
     e.add_argument("--batches", type=int, default=50)
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--seq-len", type=int)
+    e.add_argument("--mc", metavar="FILE.jsonl",
+                   help="zero-shot multiple choice on HellaSwag-style JSONL (context, endings, label): acc, acc_norm")
+    e.add_argument("--text", metavar="FILE",
+                   help="perplexity, bits per byte and word perplexity of a .txt/.jsonl file, a folder, or 'kjv'")
+    e.add_argument("--tasks", help="comma-separated lm-eval tasks (the shipped kjv_mc is always found); "
+                                   "needs pip install 'hybridnorm[eval]'")
+    e.add_argument("--include-path", metavar="DIR", help="folder of extra lm-eval task YAML files")
+    e.add_argument("--limit", type=int, help="first N items of each task / of --mc")
+    e.add_argument("--num-fewshot", type=int, help="lm-eval few-shot examples (default: the task's, or 0)")
+    e.add_argument("--device", help="cpu, cuda, cuda:N (default: where the run loads, the CPU)")
+    e.add_argument("--output", metavar="FILE.json", help="also write all results (per item for --mc) as JSON")
     e.set_defaults(func=_eval)
+
+    x = sub.add_parser("export", parents=[common], help="export a run or checkpoint as a Hugging Face model folder",
+                       description="Placements that a stock transformers class computes exactly (pre -> Llama, "
+                                   "qk_norm -> Qwen3, olmo2 -> OLMo-2, MoE -> Mixtral/Qwen3-MoE/OLMoE/FlexOlmo) "
+                                   "export to it; every other one exports with hybridnorm's own class.")
+    x.add_argument("checkpoint", help="run folder or checkpoints/step_* folder")
+    x.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"), required=True, help="hf DIR")
+    x.add_argument("--arch", default="auto", help="auto (default), hybridnorm (own class), or a stock "
+                                                   "model_type: llama, qwen3, olmo2, mixtral, qwen3_moe, ...")
+    x.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    x.set_defaults(func=_export)
+
+    i = sub.add_parser("import", parents=[common], help="turn a local Hugging Face model folder into a run folder")
+    i.add_argument("hf_dir", help="folder with config.json, weights and tokenizer.json (Llama, Qwen3, OLMo-2, "
+                                  "Mixtral, Qwen3-MoE, OLMoE, FlexOlmo or hybridnorm's own)")
+    i.add_argument("--out", required=True, help="new run folder")
+    i.set_defaults(func=_import)
 
     p = sub.add_parser("placements", parents=[common], help="list placement presets with their equations")
     p.add_argument("--all", action="store_true", help="also the paper's grammar names")

@@ -1,0 +1,224 @@
+"""lm-eval-harness adapter: any lm-eval task on a hybridnorm run, scored by :mod:`hybridnorm.eval.scoring`.
+
+    >>> from hybridnorm.eval import run_lm_eval
+    >>> results = run_lm_eval("runs/kjv-hybridnorm-star", ["kjv_mc"], limit=50)
+    >>> results["results"]["kjv_mc"]["acc_norm,none"]
+
+Importing this module registers the model class as ``hybridnorm`` in lm-eval's registry, so
+``lm_eval.simple_evaluate(model="hybridnorm", model_args="pretrained=RUN,batch_size=8", ...)`` works too.
+
+lm-eval is optional (``pip install 'hybridnorm[eval]'``): without it this module still imports, and
+:func:`run_lm_eval` / :class:`HybridNormLM` raise a :class:`ConfigError` saying what to install.
+
+Offline by default: ``HF_DATASETS_OFFLINE`` and ``HF_HUB_OFFLINE`` are set to 1 unless already set, before
+lm-eval imports ``datasets`` (which reads them once). Local tasks — the shipped ``kjv_mc``, or a task
+whose ``dataset_path: json`` reads local ``data_files`` — need no network; set both variables to 0 to let
+lm-eval download hub datasets (hellaswag, ...).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridnorm.errors import ConfigError
+from hybridnorm.eval import TASKS_DIR
+from hybridnorm.eval.scoring import encode_pair, greedy_until, loglikelihood, loglikelihood_rolling
+from hybridnorm.train.load import Run, load_run
+
+PIP_HINT = "pip install 'hybridnorm[eval]'"
+OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+MAX_GEN_TOKS_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's order
+
+try:  # the optional extra; lm_eval.api.* does not import datasets, so this stays cheap
+    from lm_eval.api.model import LM as _LMBase
+    from lm_eval.api.registry import register_model as _register_model
+
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as e:
+    _LMBase, _register_model, _IMPORT_ERROR = object, None, e  # type: ignore[assignment,misc]
+
+
+def require_lm_eval() -> None:
+    """Raise :class:`ConfigError` with the install command when lm-eval is not importable."""
+    if _IMPORT_ERROR is not None:
+        raise ConfigError(f"lm-eval tasks need the optional lm_eval package ({_IMPORT_ERROR}): {PIP_HINT}")
+
+
+def use_offline_defaults() -> None:
+    for var in OFFLINE_ENV:
+        os.environ.setdefault(var, "1")
+
+
+def _positive_int(value: object, name: str) -> int:
+    try:
+        n = int(value)  # model_args arrive as strings from the lm-eval command line
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or (isinstance(value, float) and value != n):
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    return n
+
+
+class HybridNormLM(_LMBase):
+    """An lm-eval ``LM`` over a hybridnorm run: ``pretrained`` is a run folder, a ``checkpoints/step_*``
+    folder, or a loaded :class:`~hybridnorm.train.load.Run`. ``device`` defaults to CUDA when available
+    for a run loaded here and to the model's current device for a given ``Run``. ``max_batch_size`` (which
+    lm-eval passes along with ``batch_size``) is accepted and ignored: batches are fixed-size."""
+
+    def __init__(self, pretrained: str | Path | Run, batch_size: int | str = 8, device: str | None = None,
+                 max_gen_toks: int | str = 256, max_batch_size: int | None = None, **kwargs: Any) -> None:
+        require_lm_eval()
+        super().__init__()
+        if kwargs:
+            raise ConfigError(f"unknown hybridnorm model_args {', '.join(map(repr, kwargs))}; valid: pretrained, "
+                              f"batch_size, device, max_gen_toks")
+        run = pretrained if isinstance(pretrained, Run) else load_run(pretrained)
+        self.run, self.model, self.tokenizer = run, run.model, run.tokenizer
+        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
+        if device is None:
+            device = str(self.model.embed.weight.device) if isinstance(pretrained, Run) else \
+                ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            self._device = torch.device(device)
+            self.model.to(self._device).eval()
+        except (RuntimeError, AssertionError) as e:  # a malformed name, or CUDA not built in / not present
+            raise ConfigError(f"device={device!r}: {e}") from None
+        self._warned_sampling = False
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"hybridnorm-{self.tokenizer.kind}-{self.tokenizer.fingerprint[:16]}"
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Provenance that ``simple_evaluate`` copies into ``results["config"]``."""
+        return {"model_num_parameters": self.model.num_params(), "model_dtype": str(self.model.embed.weight.dtype),
+                "run_dir": str(self.run.run_dir), "checkpoint": str(self.run.checkpoint),
+                "placement": self.model.placement.name}
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = [encode_pair(self.tokenizer, req.args[0], req.args[1]) for req in requests]
+        out = loglikelihood(self.model, pairs, self.batch_size)
+        for req, res in zip(requests, out, strict=True):
+            self.cache_hook.add_partial("loglikelihood", req.args, res)
+        return out
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        docs = self.tokenizer.encode_batch([req.args[0] for req in requests])
+        out = loglikelihood_rolling(self.model, docs, self.tokenizer.eot_id, self.batch_size)
+        for req, res in zip(requests, out, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, res)
+        return out
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for req in requests:
+            context, gen_kwargs = req.args[0], dict(req.args[1] or {})
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_gen = next((gen_kwargs[k] for k in MAX_GEN_TOKS_KEYS if gen_kwargs.get(k) is not None),
+                           self.max_gen_toks)
+            if gen_kwargs.get("do_sample") and not self._warned_sampling:
+                warnings.warn("hybridnorm's lm-eval adapter decodes greedily; do_sample=True is ignored",
+                              stacklevel=2)
+                self._warned_sampling = True
+            eot = self.tokenizer.decode([self.tokenizer.eot_id])  # a stop string too, as in HFLM
+            text = greedy_until(self.model, self.tokenizer, context, [*until, eot],
+                                _positive_int(max_gen, "max_gen_toks"))
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            out.append(text)
+        return out
+
+
+if _register_model is not None:
+    _register_model("hybridnorm")(HybridNormLM)
+
+
+def _task_known(tm: Any, name: str) -> bool:
+    return name in tm.all_tasks or (name.endswith((".yaml", ".yml")) and Path(name).is_file())
+
+
+def task_manager(tasks: Sequence[str], include_path: str | Path | Sequence[str | Path] | None = None,
+                 include_defaults: bool | None = None) -> Any:
+    """A ``TaskManager`` over the package's tasks folder, ``include_path`` and — when ``include_defaults``
+    is True, or None and some task is not found locally — lm-eval's own tasks (indexing those takes
+    seconds). An unknown task name raises :class:`ConfigError`."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    extra = [include_path] if isinstance(include_path, (str, Path)) else list(include_path or [])
+    for p in extra:
+        if not Path(p).is_dir():
+            raise ConfigError(f"--include-path {p} is not a folder of lm-eval task YAML files")
+    paths = [str(TASKS_DIR), *map(str, extra)]
+    tm = TaskManager(include_path=paths, include_defaults=bool(include_defaults))
+    if include_defaults is None and not all(_task_known(tm, t) for t in tasks):
+        tm = TaskManager(include_path=paths, include_defaults=True)
+        include_defaults = True
+    unknown = [t for t in tasks if not _task_known(tm, t)]
+    if unknown:
+        where = ", ".join(paths) + (" and lm-eval's built-in tasks" if include_defaults else "")
+        raise ConfigError(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}; looked in {where}")
+    return tm
+
+
+def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Sequence[str],
+                include_path: str | Path | Sequence[str | Path] | None = None, limit: int | None = None,
+                num_fewshot: int | None = None, batch_size: int = 8, *, include_defaults: bool | None = None,
+                log_samples: bool = False, bootstrap_iters: int = 100_000, device: str | None = None,
+                ) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
+    ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
+    the first N documents of each task. Returns lm-eval's results dict (``results``, ``n-samples``,
+    ``config``, ... and ``samples`` when ``log_samples``)."""
+    require_lm_eval()
+    use_offline_defaults()
+    names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
+    names = [t for t in names if t]
+    if not names:
+        raise ConfigError("no lm-eval tasks given")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"limit={limit!r} must be a positive integer")
+    if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
+        raise ConfigError(f"num_fewshot={num_fewshot!r} must be a non-negative integer")
+    tm = task_manager(names, include_path, include_defaults)
+    lm = run_or_path if isinstance(run_or_path, HybridNormLM) else \
+        HybridNormLM(run_or_path, batch_size=batch_size, device=device)
+    from lm_eval import simple_evaluate
+
+    try:
+        results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
+                                  log_samples=log_samples, bootstrap_iters=bootstrap_iters,
+                                  batch_size=lm.batch_size, device=str(lm.device))  # recorded in "config" only
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, ImportError) as e:  # a task's YAML or dataset: bad input, one line
+        msg = " ".join(str(e).split())
+        raise ConfigError(f"lm-eval could not run {', '.join(names)}: {type(e).__name__}: {msg}") from e
+    if results is None:
+        raise ConfigError("lm-eval returned no results (not the main process?)")
+    return results
+
+
+def metric_rows(results: dict[str, Any]) -> list[tuple[str, str, float, float, int | None]]:
+    """(task, metric, value, stderr, n) for every metric of an lm-eval results dict, in task order."""
+    rows = []
+    n_samples = results.get("n-samples", {})
+    for task, metrics in results.get("results", {}).items():
+        n = n_samples.get(task, {}).get("effective")
+        for key, value in metrics.items():  # metrics are "name,filter"; alias, name, sample_len are not
+            name, comma, filt = key.partition(",")
+            if not comma or name.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            stderr = metrics.get(f"{name}_stderr,{filt}")
+            label = name if filt in ("", "none") else f"{name} ({filt})"
+            rows.append((task, label, float(value), float(stderr) if isinstance(stderr, (int, float)) else math.nan,
+                         n))
+    return rows

@@ -1,0 +1,79 @@
+"""Results of ``hybridnorm eval`` as one table (rich) and as a JSON file: rows of
+(task, metric, value, stderr, n) from the multiple-choice, perplexity and lm-eval evaluators."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridnorm.errors import ConfigError
+from hybridnorm.eval.multiple_choice import MCResult
+from hybridnorm.eval.perplexity import PerplexityResult
+
+Row = tuple[str, str, float, float, int | None]  # task, metric, value, stderr (NaN: none), n
+
+
+def mc_rows(result: MCResult, name: str) -> list[Row]:
+    return [(name, "acc", result.acc, result.acc_stderr, result.n),
+            (name, "acc_norm", result.acc_norm, result.acc_norm_stderr, result.n)]
+
+
+def perplexity_rows(result: PerplexityResult, name: str) -> list[Row]:
+    return [(name, metric, getattr(result, metric), math.nan, result.n_docs)
+            for metric in ("token_perplexity", "bits_per_byte", "word_perplexity", "byte_perplexity")]
+
+
+def _fmt(x: float) -> str:
+    if not math.isfinite(x):
+        return "" if math.isnan(x) else str(x)
+    return f"{x:.4f}" if abs(x) < 1e3 else f"{x:,.1f}" if abs(x) < 1e9 else f"{x:.4e}"
+
+
+def print_results(rows: Sequence[Row], header: str, notes: Sequence[str] = ()) -> None:
+    """``header`` (the checkpoint), a rich table, then ``notes``, on stdout (plain text when redirected)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    for col, justify in (("task", "left"), ("metric", "left"), ("value", "right"), ("± stderr", "right"),
+                         ("n", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for task, metric, value, stderr, n in rows:
+        table.add_row(task, metric, _fmt(value), _fmt(stderr), "" if n is None else f"{n:,}")
+    console = Console()
+    for line in (header, table, *notes):  # long paths stay whole lines: copy-pasteable
+        console.print(line, highlight=False, soft_wrap=isinstance(line, str))
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` with numpy scalars/arrays, paths, tuples and other odd values made JSON-safe."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None  # strict JSON has no NaN
+    if hasattr(obj, "tolist"):  # numpy scalar / array, torch tensor
+        return jsonable(obj.tolist())
+    return str(obj)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    """Write ``data`` atomically (temporary file + rename), creating parent folders."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(jsonable(data), f, indent=1, allow_nan=False)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigError(f"cannot write --output {path}: {e.strerror or e}") from None
+    return path

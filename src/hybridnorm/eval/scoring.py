@@ -1,0 +1,200 @@
+"""Log-likelihood scoring straight on a :class:`~hybridnorm.nn.model.TransformerLM`: the three request kinds
+of lm-eval (``loglikelihood``, ``loglikelihood_rolling``, greedy ``generate_until``) without an HF wrapper.
+
+Conventions, chosen to match lm-eval's HF backend (``HFLM``) so that numbers are comparable:
+
+* **EOT as BOS.** Every context is prefixed with the tokenizer's ``eot_id``. Our training data separates
+  documents with EOT, so the model has learned "after EOT a document starts": it is the natural
+  beginning-of-sequence token, and it gives an empty context something to condition on (HFLM does the
+  same with its ``prefix_token_id`` for an empty context).
+* **Pair encoding** follows ``HFLM._encode_pair``: trailing spaces of the context move to the
+  continuation, and the continuation ids are ``encode(context + continuation)[len(encode(context)):]``,
+  so a BPE merge across the boundary is scored as the model would have seen the whole text.
+* **Windows.** A sequence never exceeds ``config.max_seq_len``: a context is left-truncated so that
+  context + continuation fits; a continuation (or document) longer than the window is cut into disjoint
+  windows of ``max_seq_len`` predictions, each conditioned on as much preceding text as fits — lm-eval's
+  ``get_rolling_token_windows(context_len=1)`` + ``make_disjoint_window``: every token is scored once.
+* **Padding rows.** Logits beyond ``config.vocab_size`` (rows added by ``pad_vocab_multiple``) are not
+  tokens: they are dropped before the softmax and can never be the greedy choice.
+
+Batches are right-padded: a causal model's logits at a position never depend on later positions, so the
+padding needs no attention mask. Windows are sorted longest first (as lm-eval does) to waste little padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridnorm.data.tokenizer import Tokenizer
+from hybridnorm.errors import ConfigError
+from hybridnorm.nn.attention import KVCache
+from hybridnorm.nn.model import TransformerLM
+
+TokenPair = tuple[list[int], list[int]]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One forward pass: ``inputs`` (at most ``max_seq_len`` ids) whose last ``len(targets)`` positions
+    predict ``targets`` (the tokens that follow each of those positions)."""
+
+    inputs: list[int]
+    targets: list[int]
+
+
+def windows(seq: Sequence[int], start: int, max_len: int) -> list[Window]:
+    """Disjoint windows that score ``seq[start:]``, each token once, given as much of ``seq`` before it as
+    fits in ``max_len`` positions.
+
+    Targets are taken ``max_len`` at a time from ``start``; the window predicting ``seq[a:b]`` reads
+    ``seq[max(0, b-1-max_len) : b-1]``. For ``seq = [eot] + doc`` and ``start = 1`` this is exactly lm-eval's
+    rolling windows; for a (context, continuation) pair that fits it is ``(ctx + cont)[-(max_len+1):][:-1]``.
+    """
+    if start < 1:
+        raise ValueError(f"start={start}: the first scored token needs at least one token before it")
+    if max_len < 1:
+        raise ValueError(f"max_len={max_len} must be >= 1")
+    out, a, n = [], start, len(seq)
+    while a < n:
+        b = min(a + max_len, n)
+        out.append(Window(list(seq[max(0, b - 1 - max_len):b - 1]), list(seq[a:b])))
+        a = b
+    return out
+
+
+def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> TokenPair:
+    """(context ids with the EOT prefix, continuation ids) by lm-eval's ``HFLM._encode_pair`` rule."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    whole = tokenizer.encode(context + continuation)
+    ctx = tokenizer.encode(context)
+    return [tokenizer.eot_id, *ctx], whole[len(ctx):]
+
+
+@torch.inference_mode()
+def score_windows(model: TransformerLM, wins: Sequence[Window], batch_size: int = 8) -> list[tuple[float, bool]]:
+    """(sum of log p(target), whether every target is the argmax) for each window, in the given order."""
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be >= 1")
+    max_len, vocab = model.config.max_seq_len, model.config.vocab_size
+    for w in wins:
+        if not 1 <= len(w.targets) <= len(w.inputs) <= max_len:
+            raise ValueError(f"bad window: {len(w.inputs)} inputs, {len(w.targets)} targets, "
+                             f"max_seq_len={max_len}")
+    device = model.embed.weight.device
+    order = sorted(range(len(wins)), key=lambda i: -len(wins[i].inputs))
+    out: list[tuple[float, bool]] = [(0.0, True)] * len(wins)
+    for lo in range(0, len(order), batch_size):
+        chunk = order[lo:lo + batch_size]
+        ids = torch.zeros(len(chunk), len(wins[chunk[0]].inputs), dtype=torch.long)  # (B, T), right-padded
+        for row, i in enumerate(chunk):
+            ids[row, :len(wins[i].inputs)] = torch.tensor(wins[i].inputs)
+        logits = model(ids.to(device))  # (B, T, V_emb)
+        for row, i in enumerate(chunk):
+            n_in, n_tgt = len(wins[i].inputs), len(wins[i].targets)
+            logp = logits[row, n_in - n_tgt:n_in, :vocab].float().log_softmax(-1)  # (n_tgt, vocab)
+            tgt = torch.tensor(wins[i].targets, device=device)  # (n_tgt,)
+            ll = logp.gather(-1, tgt[:, None]).double().sum().item()
+            out[i] = (ll, bool((logp.argmax(-1) == tgt).all()))
+    return out
+
+
+def loglikelihood(model: TransformerLM, pairs: Sequence[TokenPair], batch_size: int = 8,
+                  ) -> list[tuple[float, bool]]:
+    """(sum log p(continuation | context), whether the continuation is the greedy argmax) per token pair.
+
+    Contexts are left-truncated so context + continuation fits ``max_seq_len``; a continuation longer than
+    that is scored in disjoint windows (see :func:`windows`). An empty continuation scores (0.0, True).
+    Each context must hold at least one token: prefix the tokenizer's ``eot_id`` (:func:`encode_pair` does).
+    """
+    max_len = model.config.max_seq_len
+    wins, owner = [], []
+    for i, (ctx, cont) in enumerate(pairs):
+        if not ctx:
+            raise ConfigError(f"pair {i}: empty context; prefix the tokenizer's eot_id so the first "
+                              f"continuation token has something to condition on")
+        for w in windows([*ctx, *cont], len(ctx), max_len):
+            wins.append(w)
+            owner.append(i)
+    return _combine(score_windows(model, wins, batch_size), owner, len(pairs))
+
+
+def loglikelihood_rolling(model: TransformerLM, docs: Sequence[Sequence[int]], prefix_id: int,
+                          batch_size: int = 8) -> list[float]:
+    """Sum log p(doc) per token list, conditioned on ``prefix_id`` (the EOT), every token scored once in
+    disjoint windows — lm-eval's ``loglikelihood_rolling``. An empty document scores 0.0."""
+    wins, owner = [], []
+    for i, doc in enumerate(docs):
+        for w in windows([prefix_id, *doc], 1, model.config.max_seq_len):
+            wins.append(w)
+            owner.append(i)
+    return [ll for ll, _ in _combine(score_windows(model, wins, batch_size), owner, len(docs))]
+
+
+def _combine(scores: list[tuple[float, bool]], owner: list[int], n: int) -> list[tuple[float, bool]]:
+    lls, greedy = [0.0] * n, [True] * n
+    for (ll, g), i in zip(scores, owner, strict=True):
+        lls[i] += ll
+        greedy[i] = greedy[i] and g
+    return list(zip(lls, greedy, strict=True))
+
+
+def loglikelihood_text(model: TransformerLM, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
+                       batch_size: int = 8) -> list[tuple[float, bool]]:
+    """:func:`loglikelihood` of (context, continuation) strings encoded with :func:`encode_pair`."""
+    return loglikelihood(model, [encode_pair(tokenizer, c, x) for c, x in pairs], batch_size)
+
+
+def loglikelihood_rolling_text(model: TransformerLM, tokenizer: Tokenizer, texts: Sequence[str],
+                               batch_size: int = 8) -> list[float]:
+    """:func:`loglikelihood_rolling` of whole strings, each conditioned on the EOT only."""
+    return loglikelihood_rolling(model, tokenizer.encode_batch(list(texts)), tokenizer.eot_id, batch_size)
+
+
+def cut_at_stop(text: str, until: Sequence[str]) -> str:
+    """``text`` up to the earliest occurrence of any non-empty stop string (lm-eval's post-processing)."""
+    cut = min((i for s in until if s and (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
+
+
+@torch.inference_mode()
+def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
+                 max_gen_toks: int = 256) -> str:
+    """Greedy continuation of ``context`` (EOT-prefixed) up to ``max_gen_toks`` tokens, the EOT token, or
+    the first stop string in ``until`` (which is cut off, as lm-eval does).
+
+    As in HFLM the context is left-truncated to leave room for ``max_gen_toks`` new tokens, but it keeps at
+    least half the window (HFLM refuses ``max_gen_toks >= max_seq_len``); when the window is full,
+    generation slides on from its last half.
+    """
+    if max_gen_toks < 0:
+        raise ConfigError(f"max_gen_toks={max_gen_toks} must be >= 0")
+    max_len, vocab, eot = model.config.max_seq_len, model.config.vocab_size, tokenizer.eot_id
+    device = model.embed.weight.device
+    ids = [eot, *tokenizer.encode(context)][-max(max_len // 2, max_len - max_gen_toks, 1):]
+
+    def prefill(tokens: list[int]) -> tuple[torch.Tensor, KVCache]:
+        cache = model.new_cache(1, max_len)
+        return model(torch.tensor([tokens], device=device), cache=cache)[0, -1], cache  # (V_emb,)
+
+    logits, cache = prefill(ids)
+    out: list[int] = []
+    for _ in range(max_gen_toks):
+        nxt = int(logits[:vocab].argmax())
+        if nxt == eot:
+            break
+        out.append(nxt)
+        if until:
+            text = tokenizer.decode(out)
+            if any(stop and stop in text for stop in until):
+                break
+        if cache.pos >= max_len:  # the window is full: continue from its last half
+            logits, cache = prefill([*ids, *out][-(max_len // 2):])
+        else:
+            logits = model(torch.tensor([[nxt]], device=device), cache=cache)[0, -1]
+    return cut_at_stop(tokenizer.decode(out), until)

@@ -1,0 +1,118 @@
+"""``hybridnorm eval`` with --mc, --text and --tasks: a results table, a JSON file equal to the library's
+numbers, and bad input as ONE ``error:`` line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from eval_helpers import write_jsonl
+
+from hybridnorm import cli
+from hybridnorm.eval import TASKS_DIR
+from hybridnorm.eval.multiple_choice import evaluate_mc
+from hybridnorm.eval.perplexity import perplexity
+
+QUESTIONS = [{"context": "The lord said", "endings": ["unto moses", "go", "by day and by night"], "label": 1},
+             {"context": "And the river", "endings": ["ran dry", "x", "was built upon a hill"], "label": 2}]
+
+
+def _one_error_line(err: str, needles: list[str]) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_eval_mc_and_text_print_a_table_and_write_json(run_dir, model, tok, tmp_path, capsys):
+    mc_file = write_jsonl(tmp_path / "questions.jsonl", QUESTIONS)
+    text_file = tmp_path / "psalm.txt"
+    text_file.write_text("the lord said unto moses and aaron, go forth into a land of milk and honey\n" * 3,
+                         encoding="utf-8")
+    out = tmp_path / "res" / "eval.json"
+    argv = ["eval", str(run_dir), "--mc", str(mc_file), "--text", str(text_file), "--output", str(out),
+            "--batch-size", "3"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    for needle in ("mc:questions.jsonl", "acc_norm", "text:psalm.txt", "bits_per_byte", "word_perplexity",
+                   "step_000000"):
+        assert needle in printed, (needle, printed)
+    res = json.loads(out.read_text(encoding="utf-8"))
+    mc = evaluate_mc(model, tok, mc_file)
+    assert (res["mc"]["acc"], res["mc"]["acc_norm"], res["mc"]["n"]) == (mc.acc, mc.acc_norm, 2)
+    assert [it["pred_norm"] for it in res["mc"]["items"]] == [r.pred_norm for r in mc.items]
+    ppl = perplexity(model, tok, [text_file.read_text(encoding="utf-8")])
+    assert res["text"]["bits_per_byte"] == pytest.approx(ppl.bits_per_byte, rel=1e-6)
+    assert res["text"]["n_tokens"] == ppl.n_tokens
+
+
+def test_eval_tasks_finds_the_shipped_task_from_any_directory(run_dir, model, tok, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("lm_eval", reason="lm_eval is not installed: --tasks needs pip install 'hybridnorm[eval]'")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["eval", str(run_dir), "--tasks", "kjv_mc", "--limit", "5", "--output", "r.json"]) == 0
+    printed = capsys.readouterr().out
+    assert "kjv_mc" in printed and "acc_norm" in printed
+    got = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))["lm_eval"]["results"]["kjv_mc"]
+    ours = evaluate_mc(model, tok, TASKS_DIR / "kjv_mc" / "kjv_mc.jsonl", limit=5)
+    assert (got["acc,none"], got["acc_norm,none"]) == pytest.approx((ours.acc, ours.acc_norm))
+
+
+def test_eval_tasks_from_an_include_path(run_dir, tmp_path, capsys):
+    pytest.importorskip("lm_eval", reason="lm_eval is not installed: --tasks needs pip install 'hybridnorm[eval]'")
+    data = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "cli_mc.yaml").write_text(
+        f"task: cli_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        f"  cache_dir: {tmp_path / 'hf-cache'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: context\ndoc_to_choice: endings\ndoc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n", encoding="utf-8")
+    assert cli.main(["eval", str(run_dir), "--tasks", "cli_mc", "--include-path", str(tmp_path / "tasks"),
+                     "--output", str(tmp_path / "r.json")]) == 0
+    res = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))
+    assert res["lm_eval"]["n-samples"]["cli_mc"]["effective"] == 2
+    assert "cli_mc" in capsys.readouterr().out
+
+
+def _bad_json(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(QUESTIONS[0]) + '\n{"context": "a", "endings": [\n', encoding="utf-8")
+    return bad
+
+
+def _bad_task_folder(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "broken.yaml").write_text(
+        f"task: broken\ndataset_path: json\ndataset_kwargs:\n  data_files: {tmp_path / 'gone.jsonl'}\n"
+        "test_split: train\noutput_type: multiple_choice\ndoc_to_text: context\ndoc_to_choice: endings\n"
+        "doc_to_target: label\n", encoding="utf-8")
+    return tmp_path / "t"
+
+
+# name -> (extra argv builder(tmp_path), substrings of the one error line, needs lm_eval)
+BAD = {
+    "mc bad json": (lambda t: ["--mc", str(_bad_json(t))], ["bad.jsonl:2", "not valid JSON"], False),
+    "mc missing": (lambda t: ["--mc", str(t / "none.jsonl")], ["none.jsonl"], False),
+    "mc label out of range": (lambda t: ["--mc", str(write_jsonl(t / "l.jsonl", [{**QUESTIONS[0], "label": 9}]))],
+                              ["l.jsonl:1", "label 9"], False),
+    "text missing": (lambda t: ["--text", str(t / "none.txt")], ["none.txt", "does not exist"], False),
+    "include path without tasks": (lambda t: ["--include-path", str(t)], ["--include-path", "--tasks"], False),
+    "limit zero": (lambda t: ["--mc", "x.jsonl", "--limit", "0"], ["--limit"], False),
+    "bad device": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--device", "gpu9"],
+                   ["--device", "gpu9"], False),
+    "include path missing": (lambda t: ["--tasks", "kjv_mc", "--include-path", str(t / "nowhere")],
+                             ["nowhere", "not a folder"], True),
+    "task data missing": (lambda t: ["--tasks", "broken", "--include-path", str(_bad_task_folder(t))],
+                          ["broken", "gone.jsonl"], True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_error_line(case, run_dir, tmp_path, capsys):
+    build, needles, needs_lm_eval = BAD[case]
+    if needs_lm_eval:
+        pytest.importorskip("lm_eval", reason="lm_eval is not installed: --tasks needs pip install 'hybridnorm[eval]'")
+    argv = build(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), *argv]) == 2
+    _one_error_line(capsys.readouterr().err, needles)
