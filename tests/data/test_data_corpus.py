@@ -124,7 +124,7 @@ def test_hf_source_on_a_local_file(tmp_path):
     ("missing.txt", None, r"missing\.txt does not exist"),
     ("empty.txt", "  \n\n", r"empty\.txt.*the corpus is empty"),
     ("latin1.txt", "caf\xe9 au lait".encode("latin-1"), r"latin1\.txt is not UTF-8 text \(byte 3"),
-    ("nofield.jsonl", '{"body": "x"}\n', r"nofield\.jsonl: record 1 has no string field "
+    ("nofield.jsonl", '{"body": "x"}\n', r"nofield\.jsonl:1: no string field "
                                          r"data\.text_field='text' \(missing; its fields: 'body'\)"),
     ("badjson.jsonl", '{"text": "ok"}\n{"text": \n', r"badjson\.jsonl:2: not valid JSON"),
     ("table.csv", "a,b\n", r"table\.csv: unsupported suffix '\.csv'; use one of \.txt, \.jsonl, \.parquet"),

@@ -160,7 +160,7 @@ def _check_args(val_fraction: float, max_docs: int | None) -> None:
 def _kjv_documents(max_docs: int | None) -> tuple[list[str], list[str]]:
     path = kjv_path()
     chapters: dict[tuple[str, int], list[str]] = {}  # insertion order = canonical book order
-    for i, rec in enumerate(_jsonl_records(path), 1):
+    for i, rec in jsonl_records(path):
         try:
             chapters.setdefault((rec["book"], int(rec["chapter"])), []).append(rec["text"].strip())
         except (KeyError, TypeError, ValueError, AttributeError):
@@ -189,21 +189,23 @@ def _local_files(path: Path) -> list[Path]:
     return [path]
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path, what: str = "data file") -> str:
+    """A UTF-8 file's text (BOM dropped, CRLF -> LF); errors name the file, ``what`` says what it is."""
     try:
         raw = path.read_bytes()
     except OSError as e:
-        raise ConfigError(f"cannot read data file {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"data file {path} is not UTF-8 text (byte {e.start}: "
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: "
                           f"{raw[e.start:e.start + 4]!r}); re-encode it, e.g. with iconv -t UTF-8") from None
     return text.removeprefix("\ufeff").replace("\r\n", "\n")
 
 
-def _jsonl_records(path: Path) -> Iterator[dict]:
-    for i, line in enumerate(_read_text(path).split("\n"), 1):
+def jsonl_records(path: Path, what: str = "data file") -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file; a bad line names file:line."""
+    for i, line in enumerate(read_text(path, what).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -212,18 +214,18 @@ def _jsonl_records(path: Path) -> Iterator[dict]:
             raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg})") from None
         if not isinstance(rec, dict):
             raise ConfigError(f"{path}:{i}: expected a JSON object per line, got {type(rec).__name__}")
-        yield rec
+        yield i, rec
 
 
 def _read_file(path: Path, text_field: str) -> Iterable[str]:
     if path.suffix == ".txt":
-        return [_read_text(path)]
+        return [read_text(path)]
     if path.suffix == ".jsonl":
         docs = []
-        for i, rec in enumerate(_jsonl_records(path), 1):
+        for i, rec in jsonl_records(path):
             if not isinstance(rec.get(text_field), str):
                 got = "missing" if text_field not in rec else f"a {type(rec[text_field]).__name__}"
-                raise ConfigError(f"{path}: record {i} has no string field data.text_field={text_field!r} "
+                raise ConfigError(f"{path}:{i}: no string field data.text_field={text_field!r} "
                                   f"({got}; its fields: {', '.join(map(repr, rec)) or 'none'})")
             docs.append(rec[text_field])
         return docs

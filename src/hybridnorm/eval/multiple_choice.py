@@ -17,13 +17,13 @@ items; the tests check that they agree.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridnorm.data.corpus import jsonl_records
 from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.scoring import loglikelihood_text
@@ -141,23 +141,7 @@ def parse_item(rec: object, where: str, line: int = 0) -> MCItem:
 def read_mc_jsonl(path: str | Path) -> list[MCItem]:
     """Every item of a HellaSwag-style JSONL file; a bad line raises :class:`ConfigError` naming file:line."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read multiple-choice file {path}: {e.strerror}") from None
-    try:
-        text = raw.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"multiple-choice file {path} is not UTF-8 (byte {e.start})") from None
-    items = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg}, column {e.colno})") from None
-        items.append(parse_item(rec, f"{path}:{i}", i))
+    items = [parse_item(rec, f"{path}:{i}", i) for i, rec in jsonl_records(path, "multiple-choice file")]
     if not items:
         raise ConfigError(f"multiple-choice file {path} holds no items")
     return items

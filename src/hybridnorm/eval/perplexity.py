@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridnorm.data.corpus import SUFFIXES, _read_text, load_corpus
+from hybridnorm.data.corpus import SUFFIXES, load_corpus, read_text
 from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.scoring import loglikelihood_rolling
@@ -99,7 +99,7 @@ def read_documents(source: str | Path, text_field: str = "text", max_docs: int |
         return load_corpus("kjv").val[:max_docs]
     path = Path(source)
     if path.is_file() and path.suffix not in SUFFIXES:
-        text = _read_text(path)
+        text = read_text(path)
         return [text] if text.strip() else []
     return load_corpus(source, val_fraction=0.0, text_field=text_field, max_docs=max_docs).train
 

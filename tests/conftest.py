@@ -1,5 +1,6 @@
-"""Shared fixtures for the training tests: a small local corpus, its prepared byte-level cache, and a
-tiny-model TrainConfig factory (d 64, 2 layers, seq_len 32, batch 4) that trains a step in milliseconds."""
+"""Fixtures shared by every test folder (train, diagnostics, experiments, hf, cli): a small local corpus,
+its prepared byte-level cache, and a tiny-model TrainConfig factory (d 64, 2 layers, seq_len 32, batch 4)
+that trains a step in milliseconds. Helpers for test modules live in ``train_helpers.py`` beside this."""
 
 from __future__ import annotations
 
