@@ -51,7 +51,7 @@ class TrainConfig:
     batch_size: int = 16           # sequences per process per micro-step
     grad_accum: int = 1
     seq_len: int = 256
-    max_steps: int = 480           # the default job: ~7 minutes on 2 CPU cores
+    max_steps: int = 480           # the default job: ~7-8 minutes on 2 CPU cores
     max_minutes: float = 0.0       # stop (and checkpoint) after this wall time; 0 = no limit
     stop_after_steps: int = 0      # stop (and checkpoint) after this many steps of this invocation, keeping
                                    # the LR schedule of max_steps (a chunked job; resume later); 0 = no limit
