@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
+import time
 from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
 
 from hybridnorm.config import SIZES
 
@@ -43,3 +50,42 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
         if rec.get("kind") == kind:
             out.append(rec)
     return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, overrides: list[str], report_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import hybridnorm.train.trainer as trainer
+    from hybridnorm.train.config import TrainConfig, apply_overrides
+
+    trainer.measured_peak_flops = lambda *a, **k: 1e12  # skip the slow matmul benchmark
+    try:
+        result = trainer.train(TrainConfig.from_dict(apply_overrides({}, overrides)))
+        report = {"pid": os.getpid(), "step": result.step, "train_loss": result.train_loss,
+                  "val_loss": result.val_loss}
+        Path(report_dir, f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_ddp(overrides: list[str], report_dir: Path, world: int = 2, timeout_s: float = 240) -> list[dict]:
+    """Train ``overrides`` in ``world`` gloo processes on this machine; each rank's TrainResult as a dict
+    (``rank<r>.json`` in ``report_dir``). A run that does not finish in ``timeout_s`` (a deadlock) fails
+    the test instead of hanging it. Callers clear RANK/WORLD_SIZE/... from their own environment."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(_ddp_worker, args=(world, _free_port(), overrides, str(report_dir)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"DDP run did not finish in {timeout_s}s (deadlock?)")
+    return [json.loads((report_dir / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world)]

@@ -3,29 +3,13 @@ learns, attention is causal, and the KV cache reproduces the full forward (dense
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import oracle  # tests/oracle.py: the float64 reference (tests/ is on sys.path via its conftest)
 import pytest
 import torch
 import torch.nn.functional as F
 
 import hybridnorm as hn
 from hybridnorm.nn.norms import DyT, LayerNorm, RMSNorm
-
-
-def _load_oracle():
-    if "hn_test_oracle" in sys.modules:
-        return sys.modules["hn_test_oracle"]
-    spec = importlib.util.spec_from_file_location("hn_test_oracle", Path(__file__).parents[1] / "oracle.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hn_test_oracle"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-oracle = _load_oracle()
 
 PRESETS = hn.placements.names()
 NORM_TYPES = (RMSNorm, LayerNorm, DyT)

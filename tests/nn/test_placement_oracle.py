@@ -6,27 +6,11 @@ all) shows up. The oracle runs in float64 with explicit per-head loops; the libr
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import oracle  # tests/oracle.py: the float64 reference (tests/ is on sys.path via its conftest)
 import pytest
 import torch
 
 import hybridnorm as hn
-
-
-def _load_oracle():
-    if "hn_test_oracle" in sys.modules:
-        return sys.modules["hn_test_oracle"]
-    spec = importlib.util.spec_from_file_location("hn_test_oracle", Path(__file__).parents[1] / "oracle.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["hn_test_oracle"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-oracle = _load_oracle()
 
 TOL = 1e-5
 B, T = 2, 12

@@ -3,41 +3,12 @@ writes metrics, TensorBoard events and checkpoints."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from train_helpers import read_metrics, tiny_overrides
+from train_helpers import read_metrics, run_ddp, tiny_overrides
 
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, overrides: list[str], report_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    import hybridnorm.train.trainer as trainer
-    from hybridnorm.train.config import TrainConfig, apply_overrides
-
-    trainer.measured_peak_flops = lambda *a, **k: 1e12  # skip the slow matmul benchmark
-    try:
-        result = trainer.train(TrainConfig.from_dict(apply_overrides({}, overrides)))
-        report = {"pid": os.getpid(), "step": result.step, "train_loss": result.train_loss,
-                  "val_loss": result.val_loss}
-        Path(report_dir, f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def test_two_ranks_match_one_process_with_double_batch(corpus, cache_dir, make_cfg, tmp_path, monkeypatch):
@@ -50,12 +21,8 @@ def test_two_ranks_match_one_process_with_double_batch(corpus, cache_dir, make_c
 
     single = train(make_cfg(tmp_path / "single", *common, "--batch_size=4"))
 
-    ddp_dir, reports = tmp_path / "ddp", tmp_path / "reports"
-    reports.mkdir()
-    overrides = [*tiny_overrides(corpus, cache_dir, ddp_dir), *common, "--batch_size=2"]
-    mp.spawn(_worker, args=(2, _free_port(), overrides, str(reports)), nprocs=2, join=True)
-
-    r0, r1 = (json.loads((reports / f"rank{r}.json").read_text(encoding="utf-8")) for r in (0, 1))
+    ddp_dir = tmp_path / "ddp"
+    r0, r1 = run_ddp([*tiny_overrides(corpus, cache_dir, ddp_dir), *common, "--batch_size=2"], tmp_path / "reports")
     assert r0["step"] == r1["step"] == STEPS
     assert r0["train_loss"] == r1["train_loss"]  # the loss is all-reduced: every rank reports the same
     assert r0["val_loss"] == pytest.approx(single.val_loss, rel=1e-5)
