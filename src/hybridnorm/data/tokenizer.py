@@ -15,7 +15,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
 
 from hybridnorm.errors import ConfigError
 
@@ -210,16 +210,24 @@ def file_lock(folder: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def atomic_write(path: Path, text: str) -> Path:
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
+    """Write ``path`` all or nothing: into a temporary beside it, made readable by every user (a shared
+    cache), renamed over ``path`` only when the block finishes; on any error the temporary is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
         os.chmod(tmp, CACHE_FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(path: Path, text: str) -> Path:
+    with atomic_file(path) as f:
+        f.write(text)
     return path

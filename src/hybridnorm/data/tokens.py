@@ -9,16 +9,13 @@ half-written file under the final name.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from hybridnorm.data.tokenizer import CACHE_FILE_MODE, Tokenizer, atomic_write
+from hybridnorm.data.tokenizer import Tokenizer, atomic_file, atomic_write
 from hybridnorm.errors import ConfigError
 
 FORMAT = "hybridnorm-tokens"
@@ -40,30 +37,21 @@ def tokenize_to_memmap(docs: Sequence[str], tokenizer: Tokenizer, path: str | Pa
     """Encode ``docs`` (``encode_batch`` per chunk, so memory stays at one chunk) into ``path``; returns
     the sidecar dict (its ``count`` = sum of encoded lengths + one eot per document)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     count = 0
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for lo in range(0, len(docs), chunk_docs):
-                encoded = tokenizer.encode_batch(docs[lo:lo + chunk_docs])
-                flat = np.fromiter((i for ids in encoded for i in (*ids, tokenizer.eot_id)), dtype=np.int64,
-                                   count=sum(map(len, encoded)) + len(encoded))
-                if flat.size and (flat.min() < 0 or flat.max() >= tokenizer.vocab_size):
-                    raise ConfigError(f"tokenizer produced id {int(flat.max())} outside its vocab size "
-                                      f"{tokenizer.vocab_size} while writing {path}")
-                flat.astype(dtype).tofile(f)
-                count += flat.size
-        meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "count": count,
-                "docs": len(docs), "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
-                "tokenizer": tokenizer.fingerprint}
-        os.chmod(tmp, CACHE_FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path, "wb") as f:
+        for lo in range(0, len(docs), chunk_docs):
+            encoded = tokenizer.encode_batch(docs[lo:lo + chunk_docs])
+            flat = np.fromiter((i for ids in encoded for i in (*ids, tokenizer.eot_id)), dtype=np.int64,
+                               count=sum(map(len, encoded)) + len(encoded))
+            if flat.size and (flat.min() < 0 or flat.max() >= tokenizer.vocab_size):
+                raise ConfigError(f"tokenizer produced id {int(flat.max())} outside its vocab size "
+                                  f"{tokenizer.vocab_size} while writing {path}")
+            flat.astype(dtype).tofile(f)
+            count += flat.size
+    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "count": count,
+            "docs": len(docs), "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+            "tokenizer": tokenizer.fingerprint}
     atomic_write(sidecar_path(path), json.dumps(meta, indent=1))
     return meta
 
