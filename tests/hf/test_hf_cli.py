@@ -98,3 +98,19 @@ def test_an_imported_model_fine_tunes_with_train_resume(trained_run: Path, tmp_p
     assert after.checkpoint.name == "step_000002"
     changed = [k for k, v in after.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed  # it trained from the imported weights, not from scratch
+
+
+def test_generate_and_eval_take_an_hf_folder_like_the_run(trained_run: Path, tmp_path: Path, capsys) -> None:
+    assert main(["export", str(trained_run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"context": "the lord said", "endings": ["unto moses", "qqq zzz"], "label": 0}\n'
+                         '{"context": "milk and", "endings": ["honey", "brass gates"], "label": 0}\n')
+    outputs = []
+    for src in (trained_run, tmp_path / "hf"):
+        capsys.readouterr()
+        assert main(["generate", str(src), "--prompt", "the people", "--max-new-tokens", "20"]) == 0
+        assert main(["eval", str(src), "--mc", str(questions), "--output", str(tmp_path / "r.json")]) == 0
+        capsys.readouterr()
+        outputs.append(json.loads((tmp_path / "r.json").read_text()))
+    strip = [{k: v for k, v in o.items() if k not in ("checkpoint", "run")} for o in outputs]
+    assert strip[0] == strip[1]

@@ -159,15 +159,13 @@ def load_hf(path: str | Path) -> tuple[TransformerLM, str]:
     return model.eval(), cfg.model_type
 
 
-def import_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000)."""
-    from hybridnorm.train.checkpoint import TrainState, save_checkpoint
+def load_hf_run(path: str | Path):  # -> hybridnorm.train.load.Run
+    """A local HF folder as a :class:`~hybridnorm.train.load.Run` (model, tokenizer, a TrainConfig whose
+    tokenizer is the folder's), so ``hybridnorm generate|eval`` take HF folders as they take runs."""
     from hybridnorm.train.config import DataConfig, TrainConfig
-    from hybridnorm.train.optim import build_optimizer
+    from hybridnorm.train.load import Run
 
-    path, out = Path(path), Path(out_dir)
-    if (out / "checkpoints").exists():
-        raise ConfigError(f"{out} already holds a run (checkpoints/); choose a new folder")
+    path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
     tok_file = path / "tokenizer.json"
@@ -181,11 +179,25 @@ def import_hf(path: str | Path, out_dir: str | Path) -> Path:
                           f"{mc.embedding_size} embedding rows")
     if tokenizer.vocab_size < mc.embedding_size:  # HF pads vocabularies; keep the rows, sample only real ids
         mc.vocab_size, mc.pad_vocab_multiple = tokenizer.vocab_size, mc.embedding_size
+    cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str(tok_file.resolve())),
+                      seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(path))
+    return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer)
+
+
+def import_hf(path: str | Path, out_dir: str | Path) -> Path:
+    """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000)."""
+    from hybridnorm.train.checkpoint import TrainState, save_checkpoint
+    from hybridnorm.train.optim import build_optimizer
+
+    out = Path(out_dir)
+    if (out / "checkpoints").exists():
+        raise ConfigError(f"{out} already holds a run (checkpoints/); choose a new folder")
+    run = load_hf_run(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(out)
-    cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str((out / "tokenizer.json").resolve())),
-                      seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(out))
+    run.tokenizer.save(out)
+    cfg = run.config
+    cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
     (out / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
-    opt = build_optimizer(model, cfg.optim)  # the trainer's own param groups, so `train --resume` fine-tunes
-    save_checkpoint(out / "checkpoints", model, opt, TrainState(step=0, tokens=0))
+    opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
+    save_checkpoint(out / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
     return out

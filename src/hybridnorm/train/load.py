@@ -25,10 +25,18 @@ class Run:
 
 
 def load_run(path: str | Path) -> Run:
-    """``path`` is a run folder (its newest good checkpoint is used) or a ``checkpoints/step_*`` folder."""
+    """``path`` is a run folder (its newest good checkpoint is used), a ``checkpoints/step_*`` folder, or a
+    local Hugging Face model folder (stock Llama/Qwen3/OLMo-2/... or exported by hybridnorm)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"no run folder or checkpoint at {path}")
+    if (path / "config.json").is_file() and not (path / "config.yaml").exists():  # a Hugging Face folder
+        try:
+            from hybridnorm.hf.export import load_hf_run
+        except ImportError:
+            raise ConfigError(f"{path} is a Hugging Face model folder: reading it needs transformers "
+                              "(pip install 'hybridnorm[hf]')") from None
+        return load_hf_run(path)
     if (path / "manifest.json").exists() or path.name.startswith("step_"):
         ckpt, run_dir = path, path.parent.parent
     else:
