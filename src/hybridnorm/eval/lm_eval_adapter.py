@@ -119,6 +119,7 @@ class HybridNormLM(_LMBase):
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         out = []
+        eot = self.tokenizer.decode([self.tokenizer.eot_id])  # a stop string too, as in HFLM
         for req in requests:
             context, gen_kwargs = req.args[0], dict(req.args[1] or {})
             until = gen_kwargs.get("until") or []
@@ -129,7 +130,6 @@ class HybridNormLM(_LMBase):
                 warnings.warn("hybridnorm's lm-eval adapter decodes greedily; do_sample=True is ignored",
                               stacklevel=2)
                 self._warned_sampling = True
-            eot = self.tokenizer.decode([self.tokenizer.eot_id])  # a stop string too, as in HFLM
             text = greedy_until(self.model, self.tokenizer, context, [*until, eot],
                                 _positive_int(max_gen, "max_gen_toks"))
             self.cache_hook.add_partial("generate_until", req.args, text)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridnorm.data.tokenizer import atomic_file
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.multiple_choice import MCResult
 from hybridnorm.eval.perplexity import PerplexityResult
@@ -69,11 +68,8 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     """Write ``data`` atomically (temporary file + rename), creating parent folders."""
     path = Path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with atomic_file(path) as f:
             json.dump(jsonable(data), f, indent=1, allow_nan=False)
-        os.replace(tmp, path)
     except OSError as e:
         raise ConfigError(f"cannot write --output {path}: {e.strerror or e}") from None
     return path

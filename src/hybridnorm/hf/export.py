@@ -55,28 +55,15 @@ def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
 def _byte_level_tokenizer():  # -> tokenizers.Tokenizer
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}  # byte b keeps id b
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}  # GPT-2's byte -> symbol table; byte b keeps id b
     vocab[EOT] = 256
     inner = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     inner.decoder = decoders.ByteLevel()
     inner.add_special_tokens([EOT])
     return inner
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the one HF's ByteLevel pre-tokenizer emits:
-    printable Latin-1 bytes stand for themselves, the other 68 bytes for chr(256 + n) in byte order."""
-    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    table, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
 
 
 def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer | None = None,
@@ -95,7 +82,7 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
         raise ConfigError(f"cannot export as {arch}: " + (reason if match is None else
                                                            f"this model matches {match.model_type}, not {arch}"))
     eos = tokenizer.eot_id if tokenizer is not None else None
-    sd = {k: v.detach().to(DTYPES[dtype]) for k, v in model.state_dict().items()}
+    sd = model.state_dict()  # copied into the export class in fp32, which is cast to ``dtype`` once below
     if match is not None and arch != MODEL_TYPE:
         cfg = stock.stock_config_class(match)(**stock.to_hf_config_kwargs(mc, match, eos_token_id=eos))
         hf = stock.stock_model_class(match)(cfg)

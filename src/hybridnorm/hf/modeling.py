@@ -29,7 +29,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hybridnorm.config import ModelConfig
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.nn.rope import rope_tables
 
 MODEL_TYPE = "hybridnorm"
 
@@ -116,10 +115,7 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         # overwrite the placement's scheme. Only the RoPE tables, non-persistent buffers that a
         # meta-device load leaves empty, are rebuilt here.
         if isinstance(module, TransformerLM):
-            c = module.config
-            cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)
-            module.rope_cos = cos.to(module.embed.weight.device)
-            module.rope_sin = sin.to(module.embed.weight.device)
+            module.reset_rope()
 
 
 class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):

@@ -36,10 +36,17 @@ class TransformerLM(nn.Module):
             Block(config, spec, layer) for layer, spec in enumerate(placement.blocks(config.n_layers)))
         self.final_norm = norm() if placement.final_norm else None
         self.lm_head = None if config.tie_embeddings else nn.Linear(d, V, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D/2)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)  # (max_seq_len, D/2), set by reset_rope
+        self.register_buffer("rope_sin", None, persistent=False)
+        self.reset_rope()
         self.reset_parameters()
+
+    def reset_rope(self) -> None:
+        """(Re)build the RoPE tables in fp32 on the embedding's device; they are not saved with the
+        weights, so a loader that builds the model on the meta device calls this after loading."""
+        c = self.config
+        cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(self.embed.weight.device), sin.to(self.embed.weight.device)
 
     def reset_parameters(self) -> None:
         init_weights(self, self.config.resolved_init(), self.config.std)
