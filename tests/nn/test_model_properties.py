@@ -16,14 +16,6 @@ NORM_TYPES = (RMSNorm, LayerNorm, DyT)
 MOE_PLACEMENTS = ["pre", "hybridnorm", "hybridnorm_star"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(placement: str, size: str = "tiny", randomize: bool = False, **overrides) -> hn.TransformerLM:
     torch.manual_seed(0)
     cfg = hn.ModelConfig.from_preset(size, placement=placement, **overrides)

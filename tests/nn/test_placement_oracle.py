@@ -16,15 +16,6 @@ TOL = 1e-5
 B, T = 2, 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and contention on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _norm_keys_by_block(keys: set[str]) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for m in oracle.norm_modules(keys):
