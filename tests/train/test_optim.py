@@ -10,7 +10,8 @@ import torch
 from train_helpers import read_metrics
 
 from hybridnorm.config import ModelConfig
-from hybridnorm.nn.norms import _Norm
+from hybridnorm.nn.model import TransformerLM
+from hybridnorm.nn.norms import Norm
 from hybridnorm.train.optim import OptimConfig, build_optimizer, lr_at, param_groups
 from hybridnorm.train.trainer import train
 
@@ -44,7 +45,7 @@ def _groups(**kw):
     names = {id(p): n for n, p in model.named_parameters()}
     decay = {names[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
     no_decay = {names[id(p)] for g in groups if g["weight_decay"] == 0 for p in g["params"]}
-    norms = {f"{mn}.{pn}" for mn, m in model.named_modules() if isinstance(m, _Norm)
+    norms = {f"{mn}.{pn}" for mn, m in model.named_modules() if isinstance(m, Norm)
              for pn, _ in m.named_parameters()}
     assert decay | no_decay == set(names.values()) and not decay & no_decay
     assert norms and "embed.weight" in names.values()
@@ -95,3 +96,14 @@ def test_trainer_reports_preclip_norm_and_clips(make_cfg, tmp_path, monkeypatch,
             assert after == pytest.approx(grad_clip, rel=1e-4)
         else:
             assert max_norm == math.inf and after == pytest.approx(before, rel=1e-6)
+
+
+def test_default_groups_follow_the_reference_config():
+    """The authors' dense config (and OLMo) keep embeddings out of weight decay; norm gains are decayed."""
+    cfg = OptimConfig()
+    assert cfg.decay_embeddings is False and cfg.decay_norms is True
+    model = TransformerLM(ModelConfig.from_preset("tiny"))
+    groups = param_groups(model, cfg)
+    no_decay = {id(p) for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    assert id(model.embed.weight) in no_decay
+    assert all(id(m.weight) not in no_decay for m in model.modules() if isinstance(m, Norm))

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from hybridnorm.nn.norms import _Norm
+from hybridnorm.nn.norms import Norm
 
 
 def _tn(t: Tensor, std: float) -> None:
@@ -64,5 +64,5 @@ def init_weights(model: nn.Module, scheme: str, std: float) -> None:
     if model.lm_head is not None:
         _tn(model.lm_head.weight, 1 / math.sqrt(d_model) if scheme in ("megatron", "depth_scaled") else std)
     for m in model.modules():
-        if isinstance(m, _Norm):
+        if isinstance(m, Norm):
             m.reset_parameters()

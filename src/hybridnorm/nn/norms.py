@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-class _Norm(nn.Module):
+class Norm(nn.Module):
+    """Base of every norm with a learnable gain (RMSNorm, LayerNorm, DyT): the optimizer and init find them by it."""
+
     def __init__(self, dim: int, eps: float = 1e-5, scale: float = 1.0) -> None:
         super().__init__()
         self.dim, self.eps, self.scale = dim, eps, scale
@@ -99,21 +101,21 @@ def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
     return rms_norm_forward(x, gain, eps)[0]
 
 
-class RMSNorm(_Norm):
+class RMSNorm(Norm):
     """x / sqrt(mean(x²) + eps) · g."""
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.gain(), self.eps)
 
 
-class LayerNorm(_Norm):
+class LayerNorm(Norm):
     """(x - mean(x)) / sqrt(var(x) + eps) · g  (no bias)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(x.float(), (self.dim,), self.gain(), None, self.eps).to(x.dtype)
 
 
-class DyT(_Norm):
+class DyT(Norm):
     """Dynamic Tanh: γ·tanh(α·x) + β, α a learnable scalar (init 0.5)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, scale: float = 1.0, alpha0: float = 0.5) -> None:
@@ -132,8 +134,8 @@ class DyT(_Norm):
         return y.to(x.dtype)
 
 
-NORM_TYPES: dict[str, type[_Norm]] = {"rms": RMSNorm, "layer": LayerNorm, "dyt": DyT}
+NORM_TYPES: dict[str, type[Norm]] = {"rms": RMSNorm, "layer": LayerNorm, "dyt": DyT}
 
 
-def build_norm(kind: str, dim: int, eps: float = 1e-5, scale: float = 1.0) -> _Norm:
+def build_norm(kind: str, dim: int, eps: float = 1e-5, scale: float = 1.0) -> Norm:
     return NORM_TYPES[kind](dim, eps, scale)

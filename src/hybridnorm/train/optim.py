@@ -2,7 +2,9 @@
 
 The paper's recipe: AdamW β = (0.9, 0.95), eps 1e-8, weight decay 0.1, clip 1.0, linear warmup then
 cosine to 10% of the peak. Its reference runs also decayed norm gains (not stated in the paper), so
-``decay_norms`` defaults to True; embeddings decay by default too (OLMo's setting).
+``decay_norms`` defaults to True. Embeddings are NOT decayed by default: the authors' dense config sets
+``decay_embeddings: false``, which is also OLMo's default (with tied embeddings the LM head is the same
+tensor, so it is not decayed either).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from hybridnorm.errors import ConfigError
-from hybridnorm.nn.norms import _Norm
+from hybridnorm.nn.norms import Norm
 
 
 @dataclass
@@ -24,7 +26,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     decay_norms: bool = True
-    decay_embeddings: bool = True
+    decay_embeddings: bool = False
     grad_clip: float = 1.0                 # 0 disables clipping
     warmup_steps: int = 2000
     min_lr_ratio: float = 0.1              # cosine decays to lr * min_lr_ratio
@@ -43,7 +45,7 @@ class OptimConfig:
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Two groups, decay and no-decay; norm gains and embeddings go where the config says."""
-    norm_params = {id(p) for m in model.modules() if isinstance(m, _Norm) for p in m.parameters()}
+    norm_params = {id(p) for m in model.modules() if isinstance(m, Norm) for p in m.parameters()}
     embed_params = {id(p) for name, p in model.named_parameters() if name.split(".")[-2] in ("embed",)}
     decay, no_decay = [], []
     for p in model.parameters():
