@@ -64,39 +64,51 @@ def _csv(text: str, what: str) -> list[str]:
     return items
 
 
-def _compare(args: argparse.Namespace, extra: list[str]) -> int:
-    from hybridnorm.experiments.compare import command_line, run_compare
-
-    if not args.out:
-        raise ConfigError("compare needs --out DIR for its report folder")
-    try:
-        seeds = [int(s) for s in _csv(args.seeds, "--seeds")]
-    except ValueError:
-        raise ConfigError(f"--seeds must be integers, got {args.seeds!r}") from None
-    summary = run_compare(_config(args, extra), _csv(args.placements, "--placements"), seeds, args.out,
-                          command_line(sys.argv[1:] if args.argv is None else args.argv))
-    print(f"report: {summary}")
-    return 0
-
-
-def _sweep(args: argparse.Namespace, extra: list[str]) -> int:
+def _grid_values(text: str, what: str) -> list[object]:
+    """Comma-separated values read with YAML's safe loader (numbers stay numbers; 1e-3 is a float)."""
     import yaml
 
-    from hybridnorm.experiments.compare import command_line
-    from hybridnorm.experiments.sweep import run_sweep
-
-    if not args.out:
-        raise ConfigError("sweep needs --out DIR for its report folder")
-    def value(text: str) -> object:
-        v = yaml.safe_load(text)
+    def value(item: str) -> object:
+        try:
+            v = yaml.safe_load(item)
+        except yaml.YAMLError:
+            return item
         try:
             return float(v) if isinstance(v, str) else v  # YAML 1.1 reads 1e-3 as a string
         except ValueError:
             return v
 
-    values = [value(v) for v in _csv(args.values, "--values")]
-    summary = run_sweep(_config(args, extra), _csv(args.placements, "--placements"), args.knob, values, args.out,
-                        seed=args.seed, command=command_line(sys.argv[1:] if args.argv is None else args.argv))
+    return [value(v) for v in _csv(text, what)]
+
+
+def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
+    """compare and sweep: one grid (placements × inits × axes × seeds), one report."""
+    from hybridnorm.experiments.compare import command_line, run_experiment
+    from hybridnorm.experiments.grid import Grid
+
+    if not args.out:
+        raise ConfigError(f"{args.command} needs --out DIR for its report folder")
+    try:
+        seeds = [int(s) for s in _csv(args.seeds, "--seeds")]
+    except ValueError:
+        raise ConfigError(f"--seeds must be integers, got {args.seeds!r}") from None
+    axes: list[tuple[str, list[object]]] = []
+    if getattr(args, "knob", None):
+        if not args.values:
+            raise ConfigError("--knob needs --values v1,v2,...")
+        axes.append((args.knob, _grid_values(args.values, "--values")))
+    for spec in args.axis or []:
+        key, sep, values = spec.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--axis {spec!r} must look like KEY=v1,v2 (e.g. lr=1e-3,1e-2 or depth=12,24)")
+        axes.append((key, _grid_values(values, f"--axis {key}")))
+    user_init = next((o.partition("=")[2] for o in extra if o.lstrip("-").startswith("model.init=")), None)
+    inits = _csv(args.init, "--init") if args.init else [user_init if user_init and user_init != "default"
+                                                          else "megatron"]
+    grid = Grid(_csv(args.placements, "--placements"), inits, axes, seeds, warmup_frac=args.warmup_frac)
+    summary = run_experiment(_config(args, extra), grid, args.out, jobs=args.jobs, baseline=args.baseline,
+                             command=command_line(sys.argv[1:] if args.argv is None else args.argv),
+                             title="Placement comparison" if args.command == "compare" else "Placement sweep")
     print(f"report: {summary}")
     return 0
 
@@ -258,23 +270,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
     t.set_defaults(func=_train)
 
-    for name, func, help_text in (
-            ("compare", _compare, "train several placements side by side and write a report folder"),
-            ("sweep", _sweep, "vary one knob per placement and report where each one breaks")):
+    for name, help_text in (
+            ("compare", "train several placements side by side and write a report folder"),
+            ("sweep", "train placements over a grid of knobs and report where each one stops training")):
         c = sub.add_parser(name, parents=[common], help=help_text,
-                           description=f"{help_text}. Extra --key=value options override any config field.")
+                           description=f"{help_text}. Extra --key=value options override any config field. "
+                                       "Re-running the same command skips finished runs and continues "
+                                       "interrupted ones.")
         c.add_argument("config", nargs="?", help="YAML train config (optional)")
         c.add_argument("--placements", required=True, help="comma-separated presets or grammar names")
         c.add_argument("--size", help="model size preset (tiny, small, 151m, ...)")
         c.add_argument("--max-steps", type=int)
         c.add_argument("--out", help="report folder")
-        if name == "compare":
-            c.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-        else:
-            c.add_argument("--knob", required=True, help="lr, depth, init, or any dotted field (optim.lr, ...)")
-            c.add_argument("--values", required=True, help="comma-separated values of the knob")
-            c.add_argument("--seed", type=int, default=0)
-        c.set_defaults(func=func)
+        c.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+        c.add_argument("--init", help="comma-separated init axis: paper (each placement's paper default: "
+                                      "confounds init with placement), normal, megatron, depth_scaled, deepnorm. "
+                                      "Default: one init for all, megatron (or --model.init if given)")
+        c.add_argument("--axis", action="append", metavar="KEY=V1,V2",
+                       help="a grid axis over any config field (lr, depth, warmup, steps, clip aliases, or dotted "
+                            "names like optim.lr); repeat for a grid over several knobs")
+        if name == "sweep":
+            c.add_argument("--knob", help="one axis (same as --axis KNOB=VALUES)")
+            c.add_argument("--values", help="comma-separated values of --knob")
+        c.add_argument("--warmup-frac", type=float, help="warmup steps as a fraction of max_steps at every point")
+        c.add_argument("--baseline", help="placement the others are compared with (default: the first)")
+        c.add_argument("--jobs", type=int, default=1, help="runs trained side by side, cores split between them")
+        c.set_defaults(func=_experiment)
 
     g = sub.add_parser("generate", parents=[common], help="sample text from a run folder or checkpoint")
     g.add_argument("checkpoint")

@@ -28,7 +28,7 @@ def _save(fig: plt.Figure, path: Path, series: dict) -> Path:
 def _by_placement(runs: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
     groups: dict[str, list[RunRecord]] = defaultdict(list)
     for r in runs:
-        groups[r.placement].append(r)
+        groups[r.label or r.placement].append(r)
     return dict(groups)
 
 
@@ -54,7 +54,7 @@ def loss_curves(runs: Sequence[RunRecord], path: Path, title: str = "training lo
                 ax.axvline(r.diverged_at, color=line.get_color(), linestyle=":", linewidth=1)
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7 if len(series) > 6 else 10)
     return _save(fig, path, series)
 
 
@@ -85,8 +85,9 @@ def by_depth(runs: Sequence[RunRecord], path: Path, prefix: str, steps: Sequence
     return _save(fig, path, series)
 
 
-def knob_curve(points: dict[str, list[tuple[float, float]]], path: Path, knob: str, log_x: bool) -> Path:
-    """Final loss against the swept value per placement; diverged points (NaN) are drawn as crosses."""
+def knob_curve(points: dict[str, list[tuple[float, float]]], path: Path, knob: str, log_x: bool,
+               ylabel: str = "final val loss, mean over seeds (× = not trained)") -> Path:
+    """Final loss against the swept value per group; points that did not train (NaN) are drawn as crosses."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, dict] = {}
     for name, pts in points.items():
@@ -98,7 +99,7 @@ def knob_curve(points: dict[str, list[tuple[float, float]]], path: Path, knob: s
         if bad:
             top = max((y for _, y in ok), default=1.0)
             ax.scatter(bad, [top] * len(bad), marker="x", s=60, color=line.get_color())
-    ax.set(xlabel=knob, ylabel="final train loss (× = diverged)", title=f"sweep over {knob}")
+    ax.set(xlabel=knob, ylabel=ylabel, title=f"sweep over {knob}")
     if log_x:
         ax.set_xscale("log")
     ax.grid(alpha=0.3)

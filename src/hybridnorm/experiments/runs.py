@@ -1,4 +1,11 @@
-"""Reading finished runs back: metrics.jsonl records grouped by kind, and a run's outcome."""
+"""Reading runs back: metrics.jsonl records grouped by kind, the grid point that made the run, its verdict
+and its one machine-readable record.
+
+A grid run folder holds ``point.json`` (the grid point and the full train config it was trained with),
+``done.json`` once training has ended (finished or stopped by the non-finite guard), and everything the
+trainer writes (``metrics.jsonl`` with its ``meta``/``train``/``eval``/``diag``/``event`` records,
+``divergence.json``, checkpoints).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridnorm.experiments.verdict import Verdict, collapse_signals, judge
+
 
 @dataclass
 class RunRecord:
@@ -17,12 +26,17 @@ class RunRecord:
     path: Path
     placement: str
     seed: int
-    knob: Any = None
+    init: str = "paper"                                         # the grid's init axis value
+    knobs: dict[str, Any] = field(default_factory=dict)         # dotted config key -> value of this point
+    config: dict[str, Any] = field(default_factory=dict)        # the full train config (point.json)
+    done: bool = False                                          # training ended (finished or diverged)
+    meta: dict[str, Any] = field(default_factory=dict)          # the trainer's "meta" record
     train: list[dict[str, Any]] = field(default_factory=list)   # kind "train", in step order
     eval: list[dict[str, Any]] = field(default_factory=list)    # kind "eval"
     diag: list[dict[str, Any]] = field(default_factory=list)    # kind "diag"
     events: list[dict[str, Any]] = field(default_factory=list)  # spikes and other events
     divergence: dict[str, Any] | None = None
+    label: str = ""                                             # the report's name for the run's group
 
     @property
     def diverged(self) -> bool:
@@ -46,6 +60,28 @@ class RunRecord:
     def last_step(self) -> int:
         return self.train[-1]["step"] if self.train else 0
 
+    @property
+    def n_layers(self) -> int:
+        layers = self.config.get("model", {}).get("n_layers")
+        if isinstance(layers, int):
+            return layers
+        last = self.diag[-1] if self.diag else {}
+        return sum(1 for k in last if re.fullmatch(r"grad_norm/blocks\.\d+", k))
+
+    @property
+    def resolved_init(self) -> str:
+        """The init scheme the model was really built with (the trainer's meta record)."""
+        return str(self.meta.get("init", self.init))
+
+    @property
+    def verdict(self) -> Verdict:
+        return judge(diverged=self.diverged, diverged_at=self.diverged_at,
+                     final_val_loss=self.eval[-1]["val_loss"] if self.eval else None,
+                     unigram_entropy=self.meta.get("unigram_entropy"),
+                     first_train_loss=self.train[0]["loss"] if self.train else None,
+                     final_train_loss=self.train[-1]["loss"] if self.train else None,
+                     last_diag=self.diag[-1] if self.diag else None, n_layers=self.n_layers)
+
     def diag_at(self, step: int) -> dict[str, Any] | None:
         """The diagnostics record collected at ``step``, or the nearest earlier one."""
         before = [r for r in self.diag if r["step"] <= step]
@@ -59,10 +95,44 @@ class RunRecord:
         found = sorted((int(m.group(1)), v) for k, v in record.items() if (m := pat.match(k)))
         return [v for _, v in found]
 
+    def to_record(self, root: Path | None = None) -> dict[str, Any]:
+        """The run's one machine-readable record (the report's ``runs.json`` holds a list of them)."""
+        cfg, optim, model = self.config, self.config.get("optim", {}), self.config.get("model", {})
+        v = self.verdict
+        last_eval = self.eval[-1] if self.eval else {}
+        return {
+            "run": str(self.path.relative_to(root)) if root else str(self.path),
+            "placement": self.placement, "init": self.resolved_init, "init_axis": self.init,
+            "knobs": self.knobs, "seed": self.seed, "verdict": v.verdict, "verdict_reason": v.reason,
+            "done": self.done,
+            "final_train_loss": _num(self.train[-1]["loss"]) if self.train else None,
+            "final_val_loss": _num(last_eval.get("val_loss")), "val_tokens": last_eval.get("val_tokens"),
+            "unigram_entropy": self.meta.get("unigram_entropy"),
+            "tokens_seen": self.train[-1].get("tokens") if self.train else 0, "steps": self.last_step,
+            "max_steps": cfg.get("max_steps"), "lr": optim.get("lr"), "warmup_steps": optim.get("warmup_steps"),
+            "grad_clip": optim.get("grad_clip"), "n_layers": self.n_layers, "d_model": model.get("d_model"),
+            "params": self.meta.get("params"), "precision": cfg.get("precision"),
+            "diverged_at": self.diverged_at,
+            **{k: _num(x) for k, x in collapse_signals(self.diag[-1] if self.diag else None, self.n_layers).items()},
+        }
 
-def read_run(path: str | Path, placement: str, seed: int, knob: Any = None) -> RunRecord:
+
+def _num(x: Any) -> float | None:
+    """JSON has no NaN/inf: they become null (the verdict says why)."""
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def read_run(path: str | Path, placement: str | None = None, seed: int | None = None) -> RunRecord:
+    """A run folder's record; placement and seed come from ``point.json`` when the grid wrote one."""
     path = Path(path)
-    rec = RunRecord(path, placement, seed, knob)
+    point: dict[str, Any] = {}
+    point_file = path / "point.json"
+    if point_file.is_file():
+        point = json.loads(point_file.read_text(encoding="utf-8"))
+    p = point.get("point", {})
+    rec = RunRecord(path, p.get("placement", placement or "?"), int(p.get("seed", seed or 0)),
+                    init=p.get("init", "paper"), knobs=dict(p.get("knobs", {})), config=point.get("config", {}),
+                    done=(path / "done.json").is_file())
     metrics = path / "metrics.jsonl"
     if metrics.is_file():
         for line in metrics.read_text(encoding="utf-8").splitlines():
@@ -70,28 +140,16 @@ def read_run(path: str | Path, placement: str, seed: int, knob: Any = None) -> R
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill: the trainer purges it on resume
-            {"train": rec.train, "eval": rec.eval, "diag": rec.diag}.get(r.get("kind"), rec.events).append(r)
+            kind = r.get("kind")
+            if kind == "meta":
+                rec.meta = r
+            else:
+                {"train": rec.train, "eval": rec.eval, "diag": rec.diag}.get(kind, rec.events).append(r)
     div = path / "divergence.json"
     if div.is_file():
         rec.divergence = json.loads(div.read_text(encoding="utf-8"))
     return rec
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return math.nan, math.nan
-    m = sum(finite) / len(finite)
-    var = sum((v - m) ** 2 for v in finite) / (len(finite) - 1) if len(finite) > 1 else 0.0
-    return m, math.sqrt(var)
-
-
-def fmt_mean_std(values: list[float], digits: int = 4) -> str:
-    m, s = mean_std(values)
-    if not math.isfinite(m):
-        return "—"
-    return f"{m:.{digits}f} ± {s:.{digits}f}" if len(values) > 1 else f"{m:.{digits}f}"
-
-
 def slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)

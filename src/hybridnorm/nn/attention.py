@@ -11,15 +11,17 @@ over all their heads at once. Order ``before_rope`` (reference) or ``after_rope`
 relative to the rotation. The KV cache stores keys after norm and RoPE; since RoPE rotates by absolute
 position this gives the same attention as the reference's cache of pre-RoPE keys.
 
-Fast path (same math, fewer kernels): when the Q/K/V norms are RMSNorms of scope ``head``, normed before
-RoPE, and the normed letters are a contiguous run of ``QKV`` (none, Q, K, V, QK, KV or QKV: Pre-Norm,
-HybridNorm, QK-norm, ...), everything between the fused projection and SDPA is one autograd Function
-(:class:`_QKVPrep`): ONE RMSNorm call over the (B, T, heads, D) view of the normed heads with the per-letter
-gains concatenated per head, then ONE RoPE pass over the Q and K heads together; its backward writes the
-gradient of the fused projection output directly (no split/chunk/cat). Everything else (scope ``full``,
-``after_rope``, LayerNorm/DyT, Q+V without K) runs the general path below. The fast path does not call
-the q/k/v norm modules' ``forward`` (so module hooks on them do not fire); set ``Attention.fused_qkv =
-False`` to force the general path.
+The attention kernel softmax(q kᵀ/√d_h + mask) v is the parameter-free module :class:`SDPA`
+(``Attention.inner``, torchtitan's "inner attention"): a forward (pre-)hook on it sees q (B, H, T, D) and
+k, v (B, Hkv, S, D) exactly as they enter ``scaled_dot_product_attention``.
+
+Fast kernels (``ModelConfig.fast_kernels``, the default; see :mod:`hybridnorm.nn.kernels`): RoPE runs as
+``kernels.rope``, and where the Q/K/V norms are RMSNorms of scope ``head`` normed before RoPE whose letters
+are a contiguous run of ``QKV`` (none, Q, K, V, QK, KV or QKV: Pre-Norm, HybridNorm, QK-norm, ...), the
+lines from the split to RoPE run as ONE autograd Function (``kernels.QKVPrep``: one RMSNorm call over all
+normed heads, one RoPE pass, a backward that writes the projection's gradient directly). That Function does
+not call the q/k/v norm modules, so it is taken only while none of them has a hook and no global module
+hook is registered; otherwise the same math runs through the modules (and their hooks fire).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
-from hybridnorm.nn.norms import RMSNorm, build_norm, rms_norm_backward, rms_norm_forward
-from hybridnorm.nn.rope import apply_rope, rope_cos_sin, rope_into
+from hybridnorm.nn import kernels
+from hybridnorm.nn.norms import RMSNorm, build_norm
+from hybridnorm.nn.rope import apply_rope
 from hybridnorm.placements.spec import BlockSpec
 
 
@@ -65,130 +69,77 @@ def _has_enable_gqa() -> bool:
 _ENABLE_GQA = _has_enable_gqa()
 
 
-def _qkv_prep(qkv: Tensor, gain: Tensor | None, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int,
-              lo: int, hi: int, eps: float, keep_xhat: bool = False
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """The fast path's forward (see :class:`_QKVPrep`): q, k, v and the norm's 1/rms and, with
-    ``keep_xhat``, its x̂ (None without a norm)."""
-    H, Hqk = n_heads, n_heads + n_kv_heads
-    src, rstd, xhat = qkv, None, None
-    if hi > lo:
-        normed, rstd, xhat = rms_norm_forward(qkv[:, :, lo:hi], gain, eps, keep_xhat)  # (B, T, hi - lo, D)
-        if (lo, hi) == (0, qkv.shape[2]):
-            src = normed
-
-    def heads(a: int, b: int) -> Tensor:  # heads [a, b) after the norm, as a view
-        if src is qkv and lo <= a and b <= hi:
-            return normed[:, :, a - lo:b - lo]
-        return src[:, :, a:b]
-
-    B, T, _, D = qkv.shape
-    qk = torch.empty((B, T, Hqk, D), dtype=qkv.dtype, device=qkv.device)
-    if (lo <= 0 and H <= hi) == (lo <= H and Hqk <= hi):  # Q and K both normed or both not: one pass
-        rope_into(heads(0, Hqk), cos, sin, qk)
-    else:
-        rope_into(heads(0, H), cos, sin, qk[:, :, :H])
-        rope_into(heads(H, Hqk), cos, sin, qk[:, :, H:])
-    return qk[:, :, :H], qk[:, :, H:], heads(Hqk, Hqk + n_kv_heads), rstd, xhat
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run any hook: its own forward / pre-forward / backward hooks or a
+    global module hook (the same test ``nn.Module.__call__`` makes before skipping its hook machinery)."""
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")
+    return any(own) or any(getattr(torch_module, n, None) for n in names)
 
 
-class _QKVPrep(torch.autograd.Function):
-    """(B, T, H + 2·Hkv, D) projection -> q, k, v (B, T, h, D): RMSNorm over the heads [lo, hi) (one
-    call; ``gain`` (hi - lo, D) has one row per head), then RoPE on the H + Hkv Q/K heads in one pass.
+class SDPA(nn.Module):
+    """softmax(q kᵀ/√D + mask) v per head: q (B, H, T, D), k and v (B, Hkv, S, D) -> (B, H, T, D).
 
-    Forward, in the dtypes of the unfused code: the norm in fp32, its output cast back to the input
-    dtype, RoPE in that dtype with cos/sin (T, 1, D/2) cast to it. q and k are views of one RoPE output,
-    v a view of the normed buffer or of the input. Backward: the RoPE transpose of dq and dk and a copy
-    of dv land directly in the (B, T, H + 2·Hkv, D) input gradient, or for the normed heads in a buffer
-    that the norm backward then turns into their slice of it; no split/cat.
-    """
+    With GQA (Hkv < H) query head h reads KV head h // (H / Hkv). ``mask`` (B or 1, 1, T, S) bool, True =
+    may attend; ``causal``: query i sees keys <= i (T == S, no mask)."""
 
-    @staticmethod
-    def forward(ctx, qkv: Tensor, gain: Tensor | None, cos: Tensor, sin: Tensor, n_heads: int,  # type: ignore[override]
-                n_kv_heads: int, lo: int, hi: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v, rstd, xhat = _qkv_prep(qkv, gain, cos, sin, n_heads, n_kv_heads, lo, hi, eps, True)
-        ctx.save_for_backward(xhat, rstd, gain, cos, sin)
-        ctx.meta = (qkv.shape, qkv.dtype, n_heads, n_kv_heads, lo, hi)
-        return q, k, v
-
-    @staticmethod
-    def backward(ctx, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None):  # type: ignore[override]
-        xhat, rstd, gain, cos, sin = ctx.saved_tensors
-        shape, dtype, H, Hkv, lo, hi = ctx.meta
-        Hqk = H + Hkv
-        dqkv = torch.empty(shape, dtype=dtype, device=cos.device)
-        # gradient w.r.t. the norm output (in its dtype, as autograd would have it)
-        gnorm = torch.empty((*shape[:2], hi - lo, shape[3]), dtype=dtype, device=cos.device) if hi > lo else None
-
-        def dest(a: int, b: int) -> Tensor:
-            if gnorm is not None and lo <= a and b <= hi:
-                return gnorm[:, :, a - lo:b - lo]
-            return dqkv[:, :, a:b]
-
-        for g, (a, b) in ((dq, (0, H)), (dk, (H, Hqk))):
-            if g is None:
-                dest(a, b).zero_()
-            else:
-                rope_into(g, cos, sin, dest(a, b), inverse=True)
-        if dv is None:
-            dest(Hqk, Hqk + Hkv).zero_()
-        else:
-            dest(Hqk, Hqk + Hkv).copy_(dv)
-        dgain = None
-        if gnorm is not None:
-            _, dgain = rms_norm_backward(gnorm, xhat, rstd, gain, ctx.needs_input_grad[1], out=dqkv[:, :, lo:hi])
-        return dqkv, dgain, None, None, None, None, None, None, None
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        H, Hkv = q.shape[1], k.shape[1]
+        if Hkv != H and not _ENABLE_GQA:
+            k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))  # (B, H, S, D)
+        kw = {"enable_gqa": True} if Hkv != H and _ENABLE_GQA else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kw)
 
 
 class Attention(nn.Module):
-    # Use the fused Q/K/V norm + RoPE Function where the spec allows it (see the module docstring).
-    fused_qkv: bool = True
-    # Diagnostics (hybridnorm.diagnostics): when True, forward keeps what SDPA sees for the first sequence.
-    probe: bool = False
-
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, spec: BlockSpec, norm: str,
-                 eps: float, norm_scale: float = 1.0, head_dim: int | None = None) -> None:
+                 eps: float, norm_scale: float = 1.0, head_dim: int | None = None, fast: bool = True) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d = head_dim or d_model // n_heads
         self.w_qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * d, bias=False)  # rows [q; k; v]
         self.w_o = nn.Linear(n_heads * d, d_model, bias=False)
         self.scope, self.order = spec.qkv_norm_scope, spec.qkv_norm_order
+        self.fast = fast
 
         def maybe(letter: str, heads: int) -> nn.Module | None:
             if not spec.norms(letter):
                 return None
-            return build_norm(norm, d if self.scope == "head" else heads * d, eps, norm_scale)
+            return build_norm(norm, d if self.scope == "head" else heads * d, eps, norm_scale, fast)
 
         self.q_norm = maybe("Q", n_heads)
         self.k_norm = maybe("K", n_kv_heads)
         self.v_norm = maybe("V", n_kv_heads)
         self.c_norm = maybe("C", n_heads)
+        self.inner = SDPA()
 
-        # The fast path's normed head range [lo, hi) of the (H + 2Hkv)-head projection, or None.
+        # The heads [lo, hi) of the projection that kernels.QKVPrep norms, or None: no fused path.
         letters = "".join(c for c in "QKV" if spec.norms(c))
-        self._fused_range: tuple[int, int] | None = None
-        if not letters:
-            self._fused_range = (0, 0)
-        elif (norm == "rms" and self.scope == "head" and letters in ("Q", "K", "V", "QK", "KV", "QKV")
-              and (self.order == "before_rope" or letters == "V")):
-            bounds = {"Q": (0, n_heads), "K": (n_heads, n_heads + n_kv_heads),
-                      "V": (n_heads + n_kv_heads, n_heads + 2 * n_kv_heads)}
-            self._fused_range = (bounds[letters[0]][0], bounds[letters[-1]][1])
+        self._fused_range = None
+        if fast and (not letters or (norm == "rms" and self.scope == "head"
+                                     and (self.order == "before_rope" or letters == "V"))):
+            self._fused_range = kernels.fused_qkv_range(letters, n_heads, n_kv_heads)
 
-    def _fused_gain(self) -> Tensor | None:
-        """The per-head gain rows (hi - lo, D) of the fast path: each letter's gain once per its head."""
-        parts = [(m, h) for m, h in ((self.q_norm, self.n_heads), (self.k_norm, self.n_kv_heads),
-                                     (self.v_norm, self.n_kv_heads)) if m is not None]
-        if not parts:
-            return None
-        return torch.cat([m.gain().expand(h, self.head_dim) for m, h in parts])
+    def _qkv_norms(self) -> list[tuple[nn.Module, int]]:
+        """The Q, K, V norms that exist, each with its number of heads."""
+        return [(m, h) for m, h in ((self.q_norm, self.n_heads), (self.k_norm, self.n_kv_heads),
+                                    (self.v_norm, self.n_kv_heads)) if m is not None]
 
-    def _can_fuse(self) -> bool:
-        if not self.fused_qkv or self._fused_range is None:
+    def _use_fused(self) -> bool:
+        if self._fused_range is None:
             return False
-        norms = [m for m in (self.q_norm, self.k_norm, self.v_norm) if m is not None]
-        return all(type(m) is RMSNorm for m in norms) and len({m.eps for m in norms}) <= 1
+        norms = [m for m, _ in self._qkv_norms()]
+        return (all(type(m) is RMSNorm for m in norms) and len({m.eps for m in norms}) <= 1
+                and not any(has_hooks(m) for m in norms))
+
+    def _fused_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The general path's split, Q/K/V norms and RoPE as one ``kernels.QKVPrep`` (same math): the
+        per-head gain rows (hi - lo, D) are each letter's gain once per its head."""
+        parts = self._qkv_norms()
+        gain = torch.cat([m.gain().expand(h, self.head_dim) for m, h in parts]) if parts else None
+        eps = parts[0][0].eps if parts else 0.0
+        return kernels.fused_qkv(qkv, gain, cos, sin, self.n_heads, self.n_kv_heads, *self._fused_range, eps)
 
     def _qk_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         if self.q_norm is not None:
@@ -209,29 +160,20 @@ class Attention(nn.Module):
         batches, see :meth:`TransformerLM.forward`); S counts the cached keys too."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.w_qkv(x).view(B, T, H + 2 * Hkv, D)
-        if self._can_fuse():
-            lo, hi = self._fused_range
-            gain = self._fused_gain()
-            eps = next((m.eps for m in (self.q_norm, self.k_norm, self.v_norm) if m is not None), 0.0)
-            c, s = rope_cos_sin(cos, sin, qkv.dtype)
-            args = (qkv, gain, c, s, H, Hkv, lo, hi, eps)
-            if torch.is_grad_enabled() and (qkv.requires_grad or (gain is not None and gain.requires_grad)):
-                q, k, v = _QKVPrep.apply(*args)  # (B, T, h, D) each
-            else:
-                q, k, v, _, _ = _qkv_prep(*args)
+        qkv = self.w_qkv(x).view(B, T, H + 2 * Hkv, D)  # (B, T, H + 2·Hkv, D)
+        if self._use_fused():
+            q, k, v = self._fused_qkv(qkv, cos, sin)  # the lines of the else branch in one Function
         else:
-            q, k, v = qkv.split((H, Hkv, Hkv), dim=2)  # (B, T, h, D)
+            rope = kernels.rope if self.fast else apply_rope
+            q, k, v = qkv.split((H, Hkv, Hkv), dim=2)  # (B, T, H, D), (B, T, Hkv, D), (B, T, Hkv, D)
             if self.v_norm is not None:
                 v = self._norm(self.v_norm, v)
             if self.order == "before_rope":
                 q, k = self._qk_norms(q, k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
             if self.order == "after_rope":
                 q, k = self._qk_norms(q, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
-        if self.probe:  # q (1, H, T, D), k (1, Hkv, T, D) exactly as they enter SDPA
-            self.probed = (q[:1].detach(), k[:1].detach())
 
         start = 0
         if cache is not None:
@@ -240,11 +182,8 @@ class Attention(nn.Module):
         causal = mask is None and start == 0 and T > 1
         if mask is None and start > 0 and T > 1:  # a chunk after a cached prefix: query i sees keys <= start + i
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        if Hkv != H and not _ENABLE_GQA:
-            k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
-        kw = {"enable_gqa": True} if Hkv != H and _ENABLE_GQA else {}
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kw)  # (B, H, T, D)
+        y = self.inner(q, k, v, mask, causal)  # (B, H, T, D)
         y = y.transpose(1, 2)  # (B, T, H, D)
         if self.c_norm is not None:
             y = self._norm(self.c_norm, y)
-        return self.w_o(y.reshape(B, T, H * D))
+        return self.w_o(y.reshape(B, T, H * D))  # (B, T, d_model)

@@ -27,24 +27,26 @@ from hybridnorm.placements.spec import BlockSpec, SublayerSpec
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, spec: BlockSpec, layer: int) -> None:  # cfg: hybridnorm.ModelConfig
+    def __init__(self, cfg, spec: BlockSpec, layer: int) -> None:  # cfg: a hybridnorm.config.ModelConfig
         super().__init__()
         self.spec, self.layer = spec, layer
         self.alpha = spec.alpha(cfg.n_layers)
         self.beta = spec.branch_scale
         scale = 1.0 / math.sqrt(layer + 1) if spec.depth_scaled_norms else 1.0
 
+        fast = cfg.fast_kernels
+
         def slot(on: bool) -> nn.Module | None:
-            return build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, scale) if on else None
+            return build_norm(cfg.norm, cfg.d_model, cfg.norm_eps, scale, fast) if on else None
 
         self.attn_norm, self.attn_out_norm, self.attn_post_norm = (
             slot(spec.attn.in_norm), slot(spec.attn.out_norm), slot(spec.attn.post_norm))
         self.ffn_norm, self.ffn_out_norm, self.ffn_post_norm = (
             slot(spec.ffn.in_norm), slot(spec.ffn.out_norm), slot(spec.ffn.post_norm))
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, spec, cfg.norm, cfg.norm_eps, scale,
-                              head_dim=cfg.head_dim)
+                              head_dim=cfg.head_dim, fast=fast)
         if cfg.moe is None:
-            self.ffn: nn.Module = SwiGLU(cfg.d_model, cfg.ffn_hidden_size)
+            self.ffn: nn.Module = SwiGLU(cfg.d_model, cfg.ffn_hidden_size, fast)
         else:
             from hybridnorm.nn.moe import MoEFFN
 

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridnorm.config import ModelConfig
 from hybridnorm.nn.attention import KVCache
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import init_weights
@@ -20,7 +19,7 @@ from hybridnorm.nn.rope import rope_tables
 
 
 class TransformerLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config) -> None:  # config: a hybridnorm.config.ModelConfig (nn does not import config)
         super().__init__()
         config.validate()
         self.config = config
@@ -28,7 +27,7 @@ class TransformerLM(nn.Module):
         V, d = config.embedding_size, config.d_model
 
         def norm() -> nn.Module:
-            return build_norm(config.norm, d, config.norm_eps)
+            return build_norm(config.norm, d, config.norm_eps, fast=config.fast_kernels)
 
         self.embed = nn.Embedding(V, d)
         self.embed_norm = norm() if placement.embed_norm else None

@@ -4,13 +4,9 @@
 a gain and no bias ("no biases" in the paper's init); DyT (arXiv 2503.10622) is the norm-free
 stand-in γ·tanh(α·x) + β. ``scale`` multiplies the output (LayerNorm Scaling's 1/√l).
 
-RMSNorm runs as one autograd Function (``rms_norm``) instead of ``F.rms_norm``, whose CPU path is a
-composite of ~8 ops forward and more backward (with upcast copies even in fp32). Same math in fp32:
-r = rsqrt(mean(x²) + eps), y = (x·r)·g (mean(x²) via one ``vector_norm`` pass, so r may differ from the
-composite's in the last bit); the backward is the closed form dx = r·(g_y·g − x̂·mean(g_y·g·x̂)),
-dg = Σ g_y·x̂ with x̂ = x·r, and saves only x̂ (fp32) and r.
-The same kernels norm the attention's Q/K/V heads in one call (``rms_norm_forward``/``rms_norm_backward``
-with a gain per head, see ``hybridnorm.nn.attention``).
+``RMSNorm.forward`` spells out the equation; with ``ModelConfig.fast_kernels`` (the default) it runs
+:func:`hybridnorm.nn.kernels.rms_norm` instead, one autograd Function with a closed-form backward (the
+plain composite costs ~8 ops forward and more backward on CPU, with upcast copies even in fp32).
 """
 
 from __future__ import annotations
@@ -18,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from hybridnorm.nn import kernels
 
 
 class Norm(nn.Module):
@@ -38,74 +36,19 @@ class Norm(nn.Module):
         return f"{self.dim}, eps={self.eps}" + (f", scale={self.scale:.4g}" if self.scale != 1.0 else "")
 
 
-def _acc_dtype(x: Tensor) -> torch.dtype:
-    """The norm's compute dtype: fp32 for fp32/bf16/fp16 inputs (fp64 stays fp64)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-def rms_norm_forward(x: Tensor, gain: Tensor, eps: float,
-                     keep_xhat: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
-    """RMSNorm over the last dim in fp32 (x of any float dtype, output cast back to x.dtype).
-
-    Returns (y, r, x̂): r = 1/rms (fp32, keepdim) and, with ``keep_xhat``, x̂ = x·r (fp32) for the
-    backward. ``gain`` broadcasts against x's trailing dims: (D,) or e.g. (heads, D). mean(x²) comes
-    from one ``vector_norm`` pass (no x² temporary); a bf16 x is upcast ONCE into a private fp32 copy
-    that is then scaled in place (CPU type promotion would copy x again in every mixed-dtype op).
-    """
-    xf = x.to(_acc_dtype(x))
-    ms = torch.linalg.vector_norm(xf, 2, dim=-1, keepdim=True).square_().div_(x.shape[-1])
-    rstd = ms.add_(eps).rsqrt_()
-    xhat = torch.mul(xf, rstd) if xf is x else xf.mul_(rstd)
-    if keep_xhat:
-        return torch.mul(xhat, gain).to(x.dtype), rstd, xhat  # (x·r)·g
-    return xhat.mul_(gain).to(x.dtype), rstd, None
-
-
-def rms_norm_backward(grad: Tensor, xhat: Tensor, rstd: Tensor, gain: Tensor, need_dgain: bool,
-                      out: Tensor | None = None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-    """Gradients of :func:`rms_norm_forward` w.r.t. x (written into ``out`` if given, else returned in
-    ``dtype``) and, if ``need_dgain``, w.r.t. gain (summed over the leading dims gain broadcast over).
-
-    dx = r·(g_y·g − x̂·mean(g_y·g·x̂)),  dg = Σ g_y·x̂; in fp32 (x̂'s dtype), 8 full-size kernels.
-    """
-    gf = grad.to(xhat.dtype)
-    t = gf * xhat  # g_y·x̂
-    dgain = t.sum(tuple(range(t.dim() - gain.dim()))).to(gain.dtype) if need_dgain else None
-    dot = t.mul_(gain).mean(-1, keepdim=True)  # mean(g_y·g·x̂)
-    dx = torch.mul(xhat, dot.neg_(), out=t).addcmul_(gf, gain).mul_(rstd)  # (g_y·g − x̂·dot)·r, in t
-    if out is None:
-        return dx.to(dtype or xhat.dtype), dgain
-    return out.copy_(dx), dgain
-
-
-class _RMSNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, gain: Tensor, eps: float) -> Tensor:  # type: ignore[override]
-        y, rstd, xhat = rms_norm_forward(x, gain, eps, keep_xhat=True)
-        ctx.save_for_backward(xhat, rstd, gain)
-        ctx.dtype = x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
-        xhat, rstd, gain = ctx.saved_tensors
-        dx, dgain = rms_norm_backward(grad, xhat, rstd, gain, ctx.needs_input_grad[1], dtype=ctx.dtype)
-        return dx, dgain, None
-
-
-def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim: ``F.rms_norm(x.float(), gain, eps).to(x.dtype)`` up to fp32 rounding,
-    faster on CPU."""
-    if torch.is_grad_enabled() and (x.requires_grad or gain.requires_grad):
-        return _RMSNormFn.apply(x, gain, eps)
-    return rms_norm_forward(x, gain, eps)[0]
-
-
 class RMSNorm(Norm):
-    """x / sqrt(mean(x²) + eps) · g."""
+    """x / sqrt(mean(x²) + eps) · g, in fp32 (fp64 stays fp64); ``fast``: :func:`hybridnorm.nn.kernels.rms_norm`."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, scale: float = 1.0, fast: bool = True) -> None:
+        super().__init__(dim, eps, scale)
+        self.fast = fast
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.gain(), self.eps)
+        if self.fast:
+            return kernels.rms_norm(x, self.gain(), self.eps)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (..., dim)
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.gain()
+        return y.to(x.dtype)
 
 
 class LayerNorm(Norm):
@@ -137,5 +80,8 @@ class DyT(Norm):
 NORM_TYPES: dict[str, type[Norm]] = {"rms": RMSNorm, "layer": LayerNorm, "dyt": DyT}
 
 
-def build_norm(kind: str, dim: int, eps: float = 1e-5, scale: float = 1.0) -> Norm:
+def build_norm(kind: str, dim: int, eps: float = 1e-5, scale: float = 1.0, fast: bool = True) -> Norm:
+    """A norm of ``kind`` (see :data:`NORM_TYPES`); ``fast`` picks RMSNorm's fast kernel (the others have none)."""
+    if kind == "rms":
+        return RMSNorm(dim, eps, scale, fast=fast)
     return NORM_TYPES[kind](dim, eps, scale)

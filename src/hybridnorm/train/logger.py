@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 # Record kinds written to metrics.jsonl and TensorBoard but not echoed: a per-layer ``diag`` record holds
 # ~100 numbers, which would bury the progress line.
-SILENT_KINDS = ("diag",)
+SILENT_KINDS = ("diag", "meta")
 
 
 class MetricsLogger:

@@ -1,0 +1,290 @@
+"""Grids of runs: placement × init × any config knobs × seed, resumable, optionally several at a time.
+
+    grid = Grid(placements=["pre", "hybridnorm"], inits=["megatron"], axes=[("optim.lr", [1e-3, 1e-2])],
+                seeds=[0, 1, 2], warmup_frac=0.1)
+    records = run_grid(base_config, grid, "reports/x", jobs=2)
+
+Every point trains in its own run folder ``<out>/runs/<placement>-init=<init>-<knob>=<value>...-seed<k>``
+holding ``point.json`` (the point and the full config). Re-running the same grid skips finished runs
+(``done.json``) and continues interrupted ones from their last checkpoint; a point whose folder was made
+with a different config is refused, naming the fields that differ. ``init`` is an axis of its own:
+``paper`` is each placement's paper default (Pre-Norm → normal, HybridNorm(*) → megatron), any other
+value is one init for every placement. ``warmup_frac`` sets ``optim.warmup_steps`` to that fraction of
+``max_steps`` at every point (so a steps or depth axis keeps the same schedule shape).
+
+``jobs > 1`` trains that many points side by side, each in its own process (``python -m
+hybridnorm.experiments.grid RUN_DIR``) with the machine's cores split between them. Ctrl-C or SIGTERM stops
+every worker after its current step with a checkpoint; running the command again continues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridnorm import placements as registry
+from hybridnorm.errors import ConfigError
+from hybridnorm.experiments.runs import RunRecord, read_run, slug
+from hybridnorm.placements.spec import INITS
+from hybridnorm.train.config import TrainConfig, apply_overrides
+
+KNOB_ALIASES = {"lr": "optim.lr", "depth": "model.n_layers", "layers": "model.n_layers", "warmup": "optim.warmup_steps",
+                "width": "model.d_model", "steps": "max_steps", "clip": "optim.grad_clip"}
+INIT_AXIS = ("paper", *INITS)
+EXIT_INTERRUPTED = 130
+
+
+def knob_key(name: str) -> str:
+    return KNOB_ALIASES.get(name, name)
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    placement: str
+    init: str                                  # "paper" or one of INITS
+    knobs: tuple[tuple[str, Any], ...]         # (dotted config key, value), in axis order
+    seed: int
+
+    @property
+    def name(self) -> str:
+        parts = [slug(self.placement), f"init={self.init}", *(f"{slug(k)}={slug(str(v))}" for k, v in self.knobs)]
+        return "-".join(parts) + f"-seed{self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"placement": self.placement, "init": self.init, "knobs": dict(self.knobs), "seed": self.seed}
+
+
+@dataclass
+class Grid:
+    placements: Sequence[str]
+    inits: Sequence[str] = ("paper",)
+    axes: Sequence[tuple[str, Sequence[Any]]] = ()
+    seeds: Sequence[int] = (0,)
+    warmup_frac: float | None = None
+    diag_every: int | None = None              # None: chosen from max_steps (see with_diagnostics)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> Grid:
+        for name in self.placements:
+            registry.get(name)  # a typo fails here, before hours of training
+        for init in self.inits:
+            if init not in INIT_AXIS:
+                raise ConfigError(f"--init {init!r} is not one of {', '.join(INIT_AXIS)}")
+        if not self.placements or not self.seeds or not self.inits:
+            raise ConfigError("a grid needs at least one placement, one init and one seed")
+        keys = [knob_key(k) for k, _ in self.axes]
+        for bad in ("model.placement", "model.init", "seed", "out_dir"):
+            if bad in keys:
+                raise ConfigError(f"--axis {bad}: use --placements / --init / --seeds / --out instead")
+        if len(set(keys)) != len(keys):
+            raise ConfigError(f"the same knob appears twice among the axes: {', '.join(keys)}")
+        if any(not values for _, values in self.axes):
+            raise ConfigError("every --axis needs at least one value")
+        if self.warmup_frac is not None and not 0 <= self.warmup_frac < 1:
+            raise ConfigError(f"--warmup-frac={self.warmup_frac} must be in [0, 1)")
+        return self
+
+    def points(self) -> list[GridPoint]:
+        """Seeds outermost, placements innermost: a partial grid holds whole comparisons, seed by seed."""
+        combos: list[tuple[tuple[str, Any], ...]] = [()]
+        for key, values in self.axes:
+            combos = [(*c, (knob_key(key), v)) for c in combos for v in values]
+        return [GridPoint(p, init, knobs, seed) for seed in self.seeds for knobs in combos
+                for init in self.inits for p in self.placements]
+
+
+def with_diagnostics(cfg: TrainConfig, every: int | None = None) -> TrainConfig:
+    """The verdicts and the depth plots need per-layer statistics at step 1, step 100 and near the end:
+    every 10 steps for short runs, every 50 for long ones (≈ +0.2% step time at every 10)."""
+    if every is None:
+        every = cfg.diagnostics.every if cfg.diagnostics.every and 100 % cfg.diagnostics.every == 0 else (
+            10 if cfg.max_steps <= 300 else 50)
+    return dataclasses.replace(cfg, diagnostics=dataclasses.replace(cfg.diagnostics, every=every))
+
+
+def point_config(base: TrainConfig, grid: Grid, point: GridPoint, run_dir: Path) -> TrainConfig:
+    overrides = [f"--{k}={v}" for k, v in point.knobs]
+    overrides += [f"--model.placement={point.placement}", f"--seed={point.seed}", f"--out_dir={run_dir}",
+                  f"--model.init={'default' if point.init == 'paper' else point.init}"]
+    cfg = TrainConfig.from_dict(apply_overrides(base.to_dict(), overrides))
+    if grid.warmup_frac is not None:
+        cfg.optim.warmup_steps = round(grid.warmup_frac * cfg.max_steps)
+    return with_diagnostics(cfg, grid.diag_every).validate()
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "placement":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(a: dict[str, Any], b: dict[str, Any], common_only: bool = False) -> list[str]:
+    """Dotted config fields whose values differ between two config dicts (the names only). ``common_only``
+    ignores fields only one of them has (a field added to the config since the run was made)."""
+    fa, fb = _flatten(a), _flatten(b)
+    keys = fa.keys() & fb.keys() if common_only else fa.keys() | fb.keys()
+    return sorted(k for k in keys if fa.get(k) != fb.get(k))
+
+
+def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> bool:
+    """Write ``point.json`` (or check the one there); True when the run still has to train."""
+    want = {"point": point.to_dict(), "config": json.loads(json.dumps(cfg.to_dict()))}
+    path = run_dir / "point.json"
+    if path.is_file():
+        try:
+            have = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"grid point file {path} is not valid JSON ({e}); "
+                              "delete the run folder to redo it") from None
+        diff = config_differences(have.get("config", {}), want["config"], common_only=True)
+        if have.get("point") != want["point"] or diff:
+            diff = diff or ["point"]
+            raise ConfigError(f"run folder {run_dir} was trained with a different config ({', '.join(diff)} "
+                              "differ); use another --out, or delete that folder to retrain it")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(want, indent=1), encoding="utf-8")
+        tmp.replace(path)
+    return not (run_dir / "done.json").is_file()
+
+
+def train_point(run_dir: Path) -> bool:
+    """Train one prepared point in this process; False if a signal interrupted it (checkpoint saved)."""
+    from hybridnorm.train.trainer import train
+
+    spec = json.loads((run_dir / "point.json").read_text(encoding="utf-8"))
+    result = train(TrainConfig.from_dict(spec["config"]), resume=True, quiet=True)
+    if result.interrupted:
+        return False
+    (run_dir / "done.json").write_text(json.dumps({"step": result.step, "diverged": result.diverged}) + "\n",
+                                       encoding="utf-8")
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM to the grid process becomes KeyboardInterrupt, so its workers are stopped cleanly too."""
+    def raise_interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+    try:
+        old = signal.signal(signal.SIGTERM, raise_interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run_parallel(todo: list[Path], jobs: int, on_done: Callable[[Path], None]) -> list[tuple[Path, int]]:
+    """Train ``todo`` in ``jobs`` worker processes; returns (run folder, exit code) of failed workers."""
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    pending, running, failed = list(todo), [], []
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                run_dir = pending.pop(0)
+                log = open(run_dir / "worker.log", "ab")  # closed when the worker ends
+                proc = subprocess.Popen([sys.executable, "-m", "hybridnorm.experiments.grid", str(run_dir),
+                                         "--threads", str(threads)], stdout=log, stderr=subprocess.STDOUT, env=env)
+                running.append((proc, run_dir, log))
+            time.sleep(0.2)
+            for item in list(running):
+                proc, run_dir, log = item
+                if (rc := proc.poll()) is None:
+                    continue
+                running.remove(item)
+                log.close()
+                if rc == EXIT_INTERRUPTED:
+                    raise KeyboardInterrupt
+                if rc != 0:
+                    failed.append((run_dir, rc))
+                    print(f"[grid] worker for {run_dir} failed (exit {rc}); see {run_dir / 'worker.log'}",
+                          file=sys.stderr, flush=True)
+                else:
+                    on_done(run_dir)
+    except KeyboardInterrupt:
+        for proc, _, _log in running:  # each saves a checkpoint after its current step, then exits 130
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc, _, log in running:
+            proc.wait()
+            log.close()
+        raise
+    return failed
+
+
+def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
+             on_progress: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
+    """Train every point of ``grid`` not yet done; return the records of all its points (finished or not).
+    ``on_progress`` is called with all records after each run that finishes (e.g. to rewrite the report)."""
+    if jobs < 1:
+        raise ConfigError(f"--jobs={jobs} must be >= 1")
+    grid.validate()
+    out = Path(out_dir)
+    points = grid.points()
+    dirs = {p: out / "runs" / p.name for p in points}
+    todo = [dirs[p] for p in points if prepare_point(point_config(base, grid, p, dirs[p]), p, dirs[p])]
+    print(f"[grid] {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train "
+          f"({jobs} at a time) -> {out}", file=sys.stderr, flush=True)
+
+    def records() -> list[RunRecord]:
+        return [read_run(dirs[p]) for p in points]
+
+    def progress(_: Path) -> None:
+        if on_progress is not None:
+            on_progress(records())
+
+    failed: list[tuple[Path, int]] = []
+    with _sigterm_as_interrupt():
+        if jobs == 1:
+            for i, run_dir in enumerate(todo, 1):
+                print(f"[grid] {i}/{len(todo)} {run_dir.name}", file=sys.stderr, flush=True)
+                if not train_point(run_dir):
+                    raise KeyboardInterrupt  # stop the whole grid; re-running it continues where it stopped
+                progress(run_dir)
+        else:
+            failed = _run_parallel(todo, jobs, progress)
+    if failed:
+        print(f"[grid] {len(failed)} run(s) failed and are left out of the verdicts: "
+              + ", ".join(p.name for p, _ in failed), file=sys.stderr, flush=True)
+    return records()
+
+
+def _worker_main(argv: list[str]) -> int:
+    import argparse
+
+    import torch
+
+    ap = argparse.ArgumentParser(prog="python -m hybridnorm.experiments.grid", description="train one grid point")
+    ap.add_argument("run_dir")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return 0 if train_point(Path(args.run_dir)) else EXIT_INTERRUPTED
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))

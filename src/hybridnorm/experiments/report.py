@@ -1,0 +1,234 @@
+"""The report of a grid: ``runs.json`` (one record per run), ``summary.md`` and the figures.
+
+Measurement first: every run with its verdict and numbers, then per-group statistics over seeds (mean ±
+std, the per-seed values, and the paired-by-seed difference to the baseline placement with a 95% t
+interval). What differs between the runs compared is derived from their configs, not assumed, and said.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridnorm import placements as registry
+from hybridnorm.experiments import plots, verdict
+from hybridnorm.experiments.grid import config_differences
+from hybridnorm.experiments.runs import RunRecord
+from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
+
+# Config fields that name the run rather than change it.
+BOOKKEEPING = {"out_dir", "seed", "model.placement", "data.cache_dir"}
+
+
+def group_key(r: RunRecord) -> tuple:
+    return (r.placement, r.init, tuple(sorted(r.knobs.items())))
+
+
+def group_label(r: RunRecord, show_init: bool) -> str:
+    parts = [r.placement] + ([f"init={r.init}"] if show_init else []) + [f"{k}={v}" for k, v in r.knobs.items()]
+    return " ".join(parts)
+
+
+def varying_fields(runs: Sequence[RunRecord]) -> list[str]:
+    """Config fields with more than one value across the runs (bookkeeping fields left out), plus ``init``
+    when the resolved init schemes differ."""
+    configs = [r.config for r in runs if r.config]
+    fields: set[str] = set()
+    for c in configs[1:]:
+        fields.update(config_differences(configs[0], c))
+    fields -= BOOKKEEPING
+    fields.discard("model.init")
+    if len({r.resolved_init for r in runs}) > 1:
+        fields.add("init")
+    return sorted(fields)
+
+
+def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = None, command: str | None = None,
+                 title: str = "Placement comparison") -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    show_init = len({r.init for r in runs}) > 1
+    for r in runs:
+        r.label = group_label(r, show_init)
+    done = [r for r in runs if r.done]
+    baseline = baseline or (runs[0].placement if runs else None)
+    records = [r.to_record(out) for r in runs]
+    groups = _group_stats(done, baseline)
+    (out / "runs.json").write_text(json.dumps({"command": command, "baseline": baseline,
+                                               "varying": varying_fields(done), "runs": records,
+                                               "groups": groups}, indent=1), encoding="utf-8")
+    if done:
+        plots.loss_curves(done, out / "loss_curves.png")
+        last = max(r.last_step for r in done)
+        plots.by_depth(done, out / "grad_norm_by_depth.png", "grad_norm", [1, min(100, last)], "‖∇‖ of the block",
+                       "gradient norm by depth")
+        plots.by_depth(done, out / "activation_rms_by_depth.png", "act_rms", [1, last], "RMS of block output",
+                       "activation RMS by depth")
+    axes = _numeric_axes(done)
+    for key in axes:
+        plots.knob_curve(_knob_points(done, key), out / f"sweep_{key}.png", key, log_x=key == "optim.lr")
+    text = _summary(runs, done, groups, axes, baseline, command, title)
+    (out / "summary.md").write_text(text, encoding="utf-8")
+    return out / "summary.md"
+
+
+def _group_stats(done: Sequence[RunRecord], baseline: str | None) -> list[dict[str, Any]]:
+    by_group: dict[tuple, list[RunRecord]] = defaultdict(list)
+    for r in done:
+        by_group[group_key(r)].append(r)
+    out = []
+    for (placement, init, knobs), group in by_group.items():
+        val = {r.seed: r.final_val_loss for r in group}
+        base = by_group.get((baseline, init, knobs), [])
+        diff = paired_difference(val, {r.seed: r.final_val_loss for r in base}) \
+            if base and placement != baseline else None
+        out.append({"placement": placement, "init": init, "knobs": dict(knobs), "label": group[0].label,
+                    "inits_used": sorted({r.resolved_init for r in group}),
+                    "verdicts": {v: sum(r.verdict.verdict == v for r in group) for v in verdict.VERDICTS},
+                    "val_loss_by_seed": {str(s): (v if math.isfinite(v) else None) for s, v in sorted(val.items())},
+                    "val_loss_mean_std": fmt_mean_std(list(val.values())),
+                    "diff_vs_baseline": diff.to_dict() if diff else None, "diff_text": str(diff) if diff else "",
+                    "baseline_inits": sorted({r.resolved_init for r in base})})
+    return out
+
+
+def _numeric_axes(done: Sequence[RunRecord]) -> list[str]:
+    keys = list(dict.fromkeys(k for r in done for k in r.knobs))
+    return [k for k in keys if len({r.knobs.get(k) for r in done}) > 1
+            and all(isinstance(r.knobs.get(k), (int, float)) and not isinstance(r.knobs.get(k), bool) for r in done)]
+
+
+def _knob_points(done: Sequence[RunRecord], key: str) -> dict[str, list[tuple[float, float]]]:
+    """Per group of everything but ``key`` and the seed: (value, mean val loss of the seeds that trained;
+    NaN when none did)."""
+    cells: dict[str, dict[float, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
+    for r in done:
+        rest = " ".join([r.placement] + [f"init={r.init}"] * (len({x.init for x in done}) > 1)
+                        + [f"{k}={v}" for k, v in r.knobs.items() if k != key])
+        cells[rest][float(r.knobs[key])].append(r)
+    points = {}
+    for name, by_value in cells.items():
+        pts = []
+        for x, group in by_value.items():
+            ok = [r.final_val_loss for r in group if r.verdict.verdict == "trained"]
+            pts.append((x, sum(ok) / len(ok) if ok else math.nan))
+        points[name] = pts
+    return points
+
+
+def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[dict[str, Any]], axes: list[str],
+             baseline: str | None, command: str | None, title: str) -> str:
+    lines = [f"# {title}", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    if len(done) < len(runs):
+        lines += [f"**Partial: {len(done)} of {len(runs)} runs finished**; re-run the command to continue.", ""]
+    if done:
+        c = done[0].config
+        m, o = c.get("model", {}), c.get("optim", {})
+        r0 = done[0].to_record()
+        tokens = c.get("batch_size", 0) * c.get("grad_accum", 1) * c.get("seq_len", 0)
+        lines += [f"Setup shared by every run unless listed below: d={m.get('d_model')}, {m.get('n_layers')} layers, "
+                  f"{m.get('n_heads')} heads ({m.get('n_kv_heads')} KV), FFN {m.get('ffn_hidden_size')}; "
+                  f"{c.get('max_steps')} steps × {tokens:,} tokens; lr {o.get('lr')}, "
+                  f"warmup {o.get('warmup_steps')} steps, clip {o.get('grad_clip')}, "
+                  f"wd {o.get('weight_decay')}; {c.get('precision')}; data {c.get('data', {}).get('source')}; "
+                  f"validation on {r0['val_tokens'] or 0:,} tokens; unigram baseline "
+                  f"{(r0['unigram_entropy'] or math.nan):.3f} nats.", ""]
+        varying = varying_fields(done)
+        lines += ["**What differs between runs:** " + (", ".join(f"`{f}`" for f in varying) or "nothing but the seed")
+                  + ". Each Δ below pairs a placement with the baseline "
+                  + f"`{baseline}` at the same init axis value, knob values and seed.", ""]
+        if "init" in varying and any(r.init == "paper" for r in done):
+            lines += ["**Init is confounded with placement** where the init axis is `paper`: each placement "
+                      "uses its paper default (listed per row). Compare rows with one init for all to separate "
+                      "the two.", ""]
+    lines += ["Verdicts (rules and thresholds: `hybridnorm.experiments.verdict`): **trained**; **stalled** = val "
+              f"loss not ≥ {verdict.STALL_MARGIN:g} nats below the unigram baseline; **collapsed** = token cosine "
+              f"≥ {verdict.COLLAPSE_COS:g} in most blocks or first/last block gradient < {verdict.VANISH_RATIO:g}; "
+              "**diverged** = non-finite.", ""]
+    lines += ["## Per group (over seeds)", "",
+              f"| group | init used | verdicts | val loss mean ± std | val loss per seed | Δ val vs `{baseline}` "
+              "(95% CI, paired by seed) |", "|---|---|---|---|---|---|"]
+    for g in groups:
+        counts = ", ".join(f"{n} {v}" for v, n in g["verdicts"].items() if n)
+        per_seed = ", ".join(f"{s}: {v:.4f}" if v is not None else f"{s}: —" for s, v in g["val_loss_by_seed"].items())
+        init_note = "/".join(g["inits_used"]) + (f" (baseline: {'/'.join(g['baseline_inits'])})"
+                                                 if g["diff_text"] and g["baseline_inits"] != g["inits_used"] else "")
+        lines.append(f"| `{g['label']}` | {init_note} | {counts} | {g['val_loss_mean_std']} | {per_seed} | "
+                     f"{g['diff_text'] or '—'} |")
+    lines += ["", "Δ < 0: lower validation loss than the baseline. Means, std and Δ use every finished run that "
+              "did not diverge, whatever its verdict; the verdict counts say how many trained.", ""]
+    for key in axes:
+        lines += _largest_trained(done, key)
+    lines += _gradient_table(done)
+    lines += ["## Every run", "", "| run | placement | init | knobs | seed | verdict | val loss | train loss | "
+              "tokens | why |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        rec = r.to_record()
+        knobs = ", ".join(f"{k}={v}" for k, v in r.knobs.items()) or "—"
+        status = rec["verdict"] if r.done else "*unfinished*"
+        lines.append(f"| {r.path.name} | `{r.placement}` | {rec['init']} | {knobs} | {r.seed} | {status} | "
+                     f"{_f(rec['final_val_loss'])} | {_f(rec['final_train_loss'])} | {rec['tokens_seen'] or 0:,} | "
+                     f"{rec['verdict_reason'] if r.done else ''} |")
+    lines += ["", "Machine-readable: `runs.json` (one record per run, and the group statistics).", ""]
+    if done:
+        lines += ["![loss curves](loss_curves.png)", "", "![gradient norm by depth](grad_norm_by_depth.png)", "",
+                  "![activation RMS by depth](activation_rms_by_depth.png)", ""]
+        lines += [f"![sweep over {k}](sweep_{k}.png)" for k in axes] + [""]
+        lines += ["Equations of the placements:", ""]
+        lines += [f"- `{n}`: {registry.block_equations(registry.get(n).block)}"
+                  for n in dict.fromkeys(r.placement for r in done)] + [""]
+    return "\n".join(lines)
+
+
+def _f(x: float | None) -> str:
+    return f"{x:.4f}" if x is not None else "—"
+
+
+def _largest_trained(done: Sequence[RunRecord], key: str) -> list[str]:
+    """Per group of the other factors: the largest ``key`` value at which every seed trained."""
+    cells: dict[str, dict[Any, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for r in done:
+        rest = " ".join([r.placement, f"init={r.init}"] + [f"{k}={v}" for k, v in r.knobs.items() if k != key])
+        cells[rest][r.knobs[key]].append(r.verdict.verdict)
+    lines = [f"## Largest `{key}` that trained (every seed `trained`)", "", f"| group | largest `{key}` | "
+             "verdicts per value |", "|---|---|---|"]
+    for rest, by_value in cells.items():
+        ok = [v for v, vs in by_value.items() if all(x == "trained" for x in vs)]
+        detail = "; ".join(f"{v}: " + ", ".join(f"{vs.count(x)} {x}" for x in verdict.VERDICTS if x in vs)
+                           for v, vs in sorted(by_value.items()))
+        lines.append(f"| `{rest}` | {max(ok) if ok else 'none'} | {detail} |")
+    return [*lines, ""]
+
+
+def _gradient_table(done: Sequence[RunRecord]) -> list[str]:
+    """Ratio of the last block's gradient norm to the first block's, at step 1 and step 100: > 1 means
+    gradients grow with depth (Pre-Norm's signature in the paper), < 1 that they shrink toward the top."""
+    rows = ["## Gradient balance", "", "| group | ‖∇ last block‖ / ‖∇ first block‖ at step 1 | at step 100 |",
+            "|---|---|---|"]
+    labels = list(dict.fromkeys(r.label for r in done))
+    any_value = False
+    for label in labels:
+        cells = []
+        for step in (1, 100):
+            ratios = []
+            for r in (r for r in done if r.label == label):
+                rec = r.diag_at(step)
+                prof = r.by_layer(rec, "grad_norm")
+                if len(prof) >= 2 and prof[0] > 0 and (rec or {}).get("step") == step:
+                    ratios.append(prof[-1] / prof[0])
+            any_value |= bool(ratios)
+            cells.append(fmt_mean_std(ratios, 3) if ratios else "—")
+        rows.append(f"| `{label}` | {cells[0]} | {cells[1]} |")
+    return [*rows, ""] if any_value else []
+
+
+def print_verdicts(runs: Sequence[RunRecord]) -> None:
+    for r in runs:
+        if r.done:
+            print(f"[grid] {r.path.name}: {r.verdict.verdict} ({r.verdict.reason})", file=sys.stderr)

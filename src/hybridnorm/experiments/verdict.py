@@ -1,0 +1,93 @@
+"""A verdict for every run — ``trained``, ``stalled``, ``collapsed`` or ``diverged`` — from what it logged.
+
+The rules, in order (the first that holds wins):
+
+``diverged``
+    the non-finite guard stopped the run (``divergence.json``) or a logged loss is not finite.
+``collapsed``
+    rank collapse at the last diagnostics step: the token cosine similarity of the residual stream is
+    ≥ :data:`COLLAPSE_COS` in more than half of the blocks (every token carries the same vector, so the
+    model can only predict the unigram distribution), or the first block's gradient norm is below
+    :data:`VANISH_RATIO` × the last block's (the bottom of the network no longer learns).
+``stalled``
+    no real progress beyond the context-free baseline: the final validation loss is not at least
+    :data:`STALL_MARGIN` nats below the unigram cross-entropy of the validation set (what a model that
+    ignores the context reaches). Without that baseline (runs from before it was logged) the train loss
+    must have fallen below :data:`FALLBACK_RATIO` × the first logged loss.
+``trained``
+    none of the above.
+
+Why these thresholds (measured on the embedded KJV corpus, BPE 8192, unigram baseline 6.17 nats;
+6 layers, d=64, lr 1e-2, 10 warmup steps, 100 steps, fp32): HybridNorm ended at val 6.196 (above the
+baseline) with cosine similarity 0.998–1.000 in blocks 4–6; Post-Norm 6.032 and HybridNorm* 5.985 kept
+learning (cosine ≤ 0.78), Pre-Norm 5.403 (cosine ≤ 0.36). At 24 layers the same stalled HybridNorm run
+shows cosine 1.00 from block 6 up and a first-block gradient near 1e-12. Validation loss on ≥ 100k tokens
+has a standard error of about 0.01 nats, so a margin of 0.1 nats is ten of them, and less than the
+smallest margin of a run that visibly kept learning (Post-Norm's 0.14). A trained run's cosine stays far
+from 0.99 and its first/last gradient ratio far above 1e-6 (see docs/results/README.md for the grid's own
+distribution of both).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+VERDICTS = ("trained", "stalled", "collapsed", "diverged")
+STALL_MARGIN = 0.1        # nats below the unigram baseline that count as real progress
+COLLAPSE_COS = 0.99       # token cosine similarity that counts as "all tokens the same"
+VANISH_RATIO = 1e-6       # first-block / last-block gradient norm below which the bottom has stopped learning
+FALLBACK_RATIO = 0.95     # without a unigram baseline: final train loss < this × the first logged loss
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str          # one of VERDICTS
+    reason: str           # the measured numbers that decided it, in words
+
+    def __str__(self) -> str:
+        return self.verdict
+
+
+def collapse_signals(diag: dict[str, Any] | None, n_layers: int) -> dict[str, float]:
+    """From one diagnostics record: the fraction of blocks whose token cosine similarity is ≥ COLLAPSE_COS,
+    and the first/last block gradient-norm ratio (keys left out when not collected)."""
+    if not diag or n_layers < 1:
+        return {}
+    out: dict[str, float] = {}
+    cos = [diag.get(f"cos_sim/blocks.{i}") for i in range(n_layers)]
+    cos = [c for c in cos if isinstance(c, (int, float)) and math.isfinite(c)]
+    if cos:
+        out["cos_collapsed_frac"] = sum(c >= COLLAPSE_COS for c in cos) / len(cos)
+    first, last = diag.get("grad_norm/blocks.0"), diag.get(f"grad_norm/blocks.{n_layers - 1}")
+    if n_layers > 1 and isinstance(first, (int, float)) and isinstance(last, (int, float)) and last > 0:
+        out["grad_ratio_first_last"] = first / last
+    return out
+
+
+def judge(*, diverged: bool, diverged_at: int | None = None, final_val_loss: float | None,
+          unigram_entropy: float | None, first_train_loss: float | None, final_train_loss: float | None,
+          last_diag: dict[str, Any] | None = None, n_layers: int = 0) -> Verdict:
+    """The verdict of one run from its logged numbers (see the module docstring for the rules)."""
+    if diverged or any(v is not None and not math.isfinite(v) for v in (final_val_loss, final_train_loss)):
+        return Verdict("diverged", f"non-finite loss or gradient at step {diverged_at}" if diverged_at is not None
+                       else "non-finite loss")
+    sig = collapse_signals(last_diag, n_layers)
+    frac, ratio = sig.get("cos_collapsed_frac"), sig.get("grad_ratio_first_last")
+    if frac is not None and frac > 0.5:
+        return Verdict("collapsed", f"token cosine ≥ {COLLAPSE_COS} in {frac:.0%} of blocks")
+    if ratio is not None and ratio < VANISH_RATIO:
+        return Verdict("collapsed", f"first/last block gradient ratio {ratio:.1e} < {VANISH_RATIO:g}")
+    if final_val_loss is not None and unigram_entropy is not None:
+        gain = unigram_entropy - final_val_loss
+        if gain < STALL_MARGIN:
+            return Verdict("stalled", f"val {final_val_loss:.3f} is {gain:+.3f} nats from the unigram baseline "
+                                      f"{unigram_entropy:.3f} (needs ≥ {STALL_MARGIN:g} below)")
+        return Verdict("trained", f"val {final_val_loss:.3f}, {gain:.3f} nats below the unigram baseline")
+    if first_train_loss is None or final_train_loss is None:
+        return Verdict("stalled", "no loss logged")
+    if not final_train_loss < FALLBACK_RATIO * first_train_loss:
+        return Verdict("stalled", f"train loss {first_train_loss:.3f} → {final_train_loss:.3f} "
+                                  f"(needs < {FALLBACK_RATIO:g}×; no unigram baseline logged)")
+    return Verdict("trained", f"train loss {first_train_loss:.3f} → {final_train_loss:.3f} (no unigram baseline)")
