@@ -70,6 +70,7 @@ class ModelConfig:
     init_std: float | None = None          # None: 1/sqrt(2.5 d)
     pad_vocab_multiple: int = 1            # embedding rows rounded up to a multiple of this
     moe: MoEConfig | None = None
+    fast_kernels: bool = True              # hand-written kernels (hybridnorm.nn.kernels); false: the plain math
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -138,6 +139,8 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.placement: {e}") from None
         if self.moe is not None:
             self.moe.validate("ModelConfig.moe")
+        if not isinstance(self.fast_kernels, bool):
+            raise ConfigError(f"ModelConfig.fast_kernels={self.fast_kernels!r} must be true or false")
         return self
 
     # -- build and (de)serialize -----------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The Diagnostics collector's contract: which steps it collects, no hooks or probes outside collection
-steps (none at all when off), the metric keys it returns, and the switches."""
+"""The Diagnostics collector's contract: which steps it collects, no hooks outside collection steps (none at
+all when off), the metric keys it returns, and the switches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from hybridnorm import ModelConfig, TransformerLM, lm_loss
 from hybridnorm.diagnostics import Diagnostics, DiagnosticsConfig
-from hybridnorm.nn.attention import Attention
+from hybridnorm.nn.attention import SDPA
 
 
 def _model(**kw) -> TransformerLM:
@@ -43,15 +43,15 @@ def test_schedule_is_step_one_and_every_nth():
 
 
 @pytest.mark.parametrize("cfg", [DiagnosticsConfig(every=0), DiagnosticsConfig(every=5)], ids=["off", "every5"])
-def test_no_hooks_no_probes_no_metrics_off_schedule(cfg, monkeypatch):
+def test_no_hooks_no_metrics_off_schedule(cfg, monkeypatch):
     model = _model()
-    seen_probe = []
-    monkeypatch.setattr(Attention, "forward", _spy(Attention.forward, seen_probe))
+    seen_hooks = []
+    monkeypatch.setattr(SDPA, "forward", _spy(SDPA.forward, seen_hooks))
     diag = Diagnostics(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics, hooks = _step(model, diag, 2, opt)
     assert (metrics, hooks) == ({}, 0)
-    assert seen_probe and not any(seen_probe)  # attention ran, never with probe on
+    assert seen_hooks and not any(seen_hooks)  # the attention kernel ran, never with a hook on it
     assert diag._updates is None or diag._updates._before is None  # no parameter copy either
     if not cfg.enabled:
         assert diag._updates is None
@@ -59,7 +59,7 @@ def test_no_hooks_no_probes_no_metrics_off_schedule(cfg, monkeypatch):
 
 def _spy(forward, seen: list):
     def wrapped(self, *a, **k):
-        seen.append(bool(getattr(self, "probe", False)))
+        seen.append(bool(self._forward_pre_hooks or self._forward_hooks))
         return forward(self, *a, **k)
     return wrapped
 
@@ -69,7 +69,7 @@ def test_collection_step_hooks_are_removed_and_keys_complete():
     diag = Diagnostics(model, DiagnosticsConfig(every=10))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics, hooks = _step(model, diag, 10, opt)
-    assert hooks == 1 + 3  # the embedding and each block
+    assert hooks == 1 + 3 + 3  # the embedding, each block and each block's attention kernel (SDPA)
     assert _n_hooks(model) == 0
     kinds = {k.split("/")[0] for k in metrics}
     assert kinds == {"grad_norm", "update_norm", "weight_norm", "act_rms", "act_max_abs", "act_kurtosis",
@@ -89,18 +89,25 @@ def test_switches_and_forward_probes_off():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     m = _step(model, Diagnostics(model, DiagnosticsConfig(every=1, activations=False)), 1, opt)[0]
     assert not any(k.startswith(("act_", "cos_sim")) for k in m) and "attn_entropy/blocks.0" in m
-    m = _step(model, Diagnostics(model, DiagnosticsConfig(every=1, attention=False)), 1, opt)[0]
+    m, hooks = _step(model, Diagnostics(model, DiagnosticsConfig(every=1, attention=False)), 1, opt)
     assert not any(k.startswith("attn_") for k in m) and "act_rms/blocks.0" in m
+    assert hooks == 1 + 2  # no hook on the attention kernels
     m, hooks = _step(model, Diagnostics(model, DiagnosticsConfig(every=1), forward_probes=False), 1, opt)
     assert hooks == 0 and {k.split("/")[0] for k in m} == {"grad_norm", "update_norm", "weight_norm"}
 
 
-def test_missing_probe_is_skipped_gracefully(monkeypatch):
-    # an attention that never records (e.g. a custom module): its metrics are left out, nothing fails
-    monkeypatch.setattr(Attention, "probe", property(lambda self: False, lambda self, value: None))
+class _OtherKernel(torch.nn.Module):
+    def forward(self, q, k, v, mask=None, causal=False):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                enable_gqa=True)
+
+
+def test_attention_without_sdpa_module_is_skipped_gracefully():
+    # a block whose attention kernel is some other module: its attention metrics are left out, nothing fails
     model = _model()
+    model.blocks[0].attn.inner = _OtherKernel()
     m = _step(model, Diagnostics(model, DiagnosticsConfig(every=1)), 1, torch.optim.SGD(model.parameters(), lr=0.1))[0]
-    assert not any(k.startswith("attn_") for k in m) and "act_rms/blocks.1" in m
+    assert "attn_entropy/blocks.1" in m and "attn_entropy/blocks.0" not in m and "act_rms/blocks.0" in m
 
 
 def test_skipped_update_has_no_update_norms():

@@ -9,7 +9,7 @@ import torch
 from train_helpers import read_metrics
 
 from hybridnorm import ModelConfig, TransformerLM, lm_loss
-from hybridnorm.diagnostics import SpikeDetector, first_nonfinite_module, first_nonfinite_param
+from hybridnorm.diagnostics import SpikeDetector, divergence_report, first_nonfinite_module, first_nonfinite_param
 from hybridnorm.train.trainer import train
 
 
@@ -104,3 +104,22 @@ def test_first_nonfinite_param_grad(with_grad):
     if with_grad:
         model.blocks[1].attn.w_qkv.weight.grad[0, 0] = math.inf
     assert first_nonfinite_param(model, grad=True) == ("blocks.1.attn.w_qkv.weight" if with_grad else None)
+
+
+@pytest.mark.parametrize("norm", ["q_norm", "k_norm", "v_norm"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_divergence_report_names_the_qkv_norm_that_goes_nonfinite_first(norm, fast):
+    # With fast kernels the Q/K/V norms run fused inside the attention unless a hook is on them: the
+    # post-mortem's hooks switch that path off, so the norm itself is named, not blocks.1.attn.
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.from_preset("tiny", n_layers=3, placement="hybridnorm", fast_kernels=fast))
+    assert model.blocks[1].attn._use_fused() == fast
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        getattr(model.blocks[1].attn, norm).weight[0] = math.nan
+    report = divergence_report(step=3, loss=math.nan, grad_norm=math.nan, model=model,
+                               batches=[(ids[:, :-1], ids[:, 1:])], loss_fn=lambda x, y: lm_loss(model(x), y),
+                               recent_losses=[], last_diagnostics=None, last_checkpoint=None)
+    assert (report["first_nonfinite"], report["first_nonfinite_from"]) == (f"blocks.1.attn.{norm}", "forward")
+    assert report["first_nonfinite_param"] == f"blocks.1.attn.{norm}.weight"
+    assert sum(len(m._forward_hooks) for m in model.modules()) == 0

@@ -17,7 +17,6 @@ from hybridnorm.diagnostics import (
     expert_load_stats,
     token_cosine,
 )
-from hybridnorm.nn.attention import Attention
 
 
 def _naive_attention(q: torch.Tensor, k: torch.Tensor) -> tuple[float, float]:
@@ -143,38 +142,37 @@ def test_collector_activation_stats_match_a_hand_hook(placement):
     assert m["act_rms/embed"] == pytest.approx(float(emb.square().mean().sqrt()), rel=1e-5)
 
 
-def _probe_run(fused: bool, monkeypatch) -> tuple[TransformerLM, dict, dict[str, float]]:
-    monkeypatch.setattr(Attention, "fused_qkv", fused)
+def _attention_run(fast: bool) -> tuple[TransformerLM, dict, dict[str, float]]:
     torch.manual_seed(0)
-    model = TransformerLM(ModelConfig.from_preset("tiny", n_layers=2, placement="hybridnorm_star"))
-    probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    model = TransformerLM(ModelConfig.from_preset("tiny", n_layers=2, placement="hybridnorm_star",
+                                                  fast_kernels=fast))
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def keep(i: int):
-        def hook(module, args, out) -> None:  # fires before the collector's block hook reads and clears probed
-            probes.setdefault(i, module.probed)
+        def hook(module, args) -> None:  # registered before the collector's: sees the same q and k first
+            seen.setdefault(i, (args[0][:1].detach().clone(), args[1][:1].detach().clone()))
         return hook
 
     for i, block in enumerate(model.blocks):
-        block.attn.register_forward_hook(keep(i))
+        block.attn.inner.register_forward_pre_hook(keep(i))
     diag = Diagnostics(model, DiagnosticsConfig(every=1))
     with diag.capture(1):
         model(torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(0)))
-    return model, probes, diag.pop_metrics()
+    return model, seen, diag.pop_metrics()
 
 
-def test_attention_probe_and_collector_attention_metrics(monkeypatch):
-    runs = {fused: _probe_run(fused, monkeypatch) for fused in (True, False)}
-    for model, probes, m in runs.values():
+def test_collector_attention_metrics_from_the_sdpa_inputs():
+    runs = {fast: _attention_run(fast) for fast in (True, False)}
+    for model, seen, m in runs.values():
         cfg = model.config
-        assert sorted(probes) == [0, 1]
-        for i, (q, k) in probes.items():
+        assert sorted(seen) == [0, 1]
+        for i, (q, k) in seen.items():
             assert q.shape == (1, cfg.n_heads, 10, cfg.head_dim) and k.shape == (1, cfg.kv_heads, 10, cfg.head_dim)
-            assert not q.requires_grad and not k.requires_grad
             want_max, want_entropy = _naive_attention(q, k)
             assert m[f"attn_max_logit/blocks.{i}"] == pytest.approx(want_max, rel=1e-5)
             assert m[f"attn_entropy/blocks.{i}"] == pytest.approx(want_entropy, rel=1e-5)
-        assert all(not b.attn.probe and getattr(b.attn, "probed", None) is None for b in model.blocks)
-    # the fused Q/K/V path and the general path probe the same q and k
+        assert sum(len(b.attn.inner._forward_pre_hooks) for b in model.blocks) == 2  # only the test's own
+    # the fast kernels (fused Q/K/V norm + RoPE) and the plain math give the same q and k
     for i in (0, 1):
         for a, b in zip(runs[True][1][i], runs[False][1][i], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,7 @@ grad-norm spike guard (:class:`SpikeDetector`) and the post-mortem of a non-fini
 (:func:`divergence_report`). See ``TrainConfig.diagnostics`` for the switches.
 """
 
-from hybridnorm.diagnostics.collector import Diagnostics, has_attention_probe
+from hybridnorm.diagnostics.collector import Diagnostics, attention_kernel
 from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.diagnostics.groups import (
     UpdateTracker,
@@ -25,6 +25,6 @@ from hybridnorm.diagnostics.guards import (
 from hybridnorm.diagnostics.stats import activation_stats, attention_stats, expert_load_stats, token_cosine
 
 __all__ = ["Diagnostics", "DiagnosticsConfig", "SpikeDetector", "SpikeEvent", "UpdateTracker",
-           "activation_stats", "attention_stats", "divergence_report", "expert_load_stats",
+           "activation_stats", "attention_kernel", "attention_stats", "divergence_report", "expert_load_stats",
            "first_nonfinite_module", "first_nonfinite_param", "grad_norm_by_layer", "group_params",
-           "has_attention_probe", "param_groups_of", "token_cosine", "weight_norm_by_layer"]
+           "param_groups_of", "token_cosine", "weight_norm_by_layer"]

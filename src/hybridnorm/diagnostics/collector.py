@@ -10,9 +10,11 @@
     metrics = diag.pop_metrics()      # {} unless this was a collection step
 
 Collection steps are step 1 and every ``every``-th step. Off (``every=0``) or between collection steps
-every call is a no-op: no hooks are registered, no probe is switched on, no parameter is copied. On a
-collection step forward hooks on the embedding and on each block read the FIRST micro-batch's residual
-stream (the hooks of later micro-batches return at once) and each block's attention probe and MoE counts.
+every call is a no-op: no hooks are registered, no parameter is copied. On a collection step forward hooks
+on the embedding and on each block read the FIRST micro-batch's residual stream and MoE counts, and a
+forward pre-hook on each block's attention kernel module (:class:`hybridnorm.nn.attention.SDPA`) reads the
+first sequence's q and k as they enter it (the hooks of later micro-batches return at once). The model
+knows nothing of any of this: the hooks are ordinary ``nn.Module`` hooks, removed when the step ends.
 
 Metric keys (``<group>`` as in :mod:`hybridnorm.diagnostics.groups`; ``<layer>`` is ``embed``,
 ``embed_norm`` or ``blocks.i``; ``<block>`` is ``blocks.i``)::
@@ -40,23 +42,22 @@ from torch import Tensor, nn
 from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.diagnostics.groups import UpdateTracker, grad_norm_by_layer, weight_norm_by_layer
 from hybridnorm.diagnostics.stats import activation_stats, attention_stats, expert_load_stats
+from hybridnorm.nn.attention import SDPA
 
 
-def has_attention_probe(attn: nn.Module) -> bool:
-    """Whether this attention module implements the ``probe`` / ``probed`` contract (see :class:`Diagnostics`)."""
-    return hasattr(type(attn), "probe")
+def attention_kernel(block: nn.Module) -> nn.Module | None:
+    """The block's attention kernel module (an :class:`~hybridnorm.nn.attention.SDPA`, called with q (B, H, T, D)
+    and k, v (B, Hkv, S, D) as its first three arguments), or None when the block has none."""
+    return next((m for m in block.modules() if isinstance(m, SDPA)), None)
 
 
 class Diagnostics:
     """Collects per-layer training statistics every ``cfg.every`` steps (see the module docstring).
 
-    ``forward_probes=False`` (e.g. under torch.compile, where hooks and probes toggled on some steps would
-    force recompiles) keeps only the gradient / update / weight norms. ``enabled=False`` makes every call
-    a no-op (the trainer's non-zero ranks).
-
-    Attention contract: an ``Attention`` with a class attribute ``probe: bool = False`` whose forward, when
-    ``self.probe`` is true, stores ``self.probed = (q, k)``: the detached q (1, H, T, D) and k (1, Hkv, T, D)
-    of the first sequence exactly as they enter SDPA. Without it the attention metrics are left out.
+    ``forward_probes=False`` (e.g. under torch.compile, where hooks added on some steps would force
+    recompiles) keeps only the gradient / update / weight norms. ``enabled=False`` makes every call a no-op
+    (the trainer's non-zero ranks). A block without an attention kernel module (see :func:`attention_kernel`)
+    has no attention metrics.
     """
 
     def __init__(self, model: nn.Module, cfg: DiagnosticsConfig, *, enabled: bool = True,
@@ -76,7 +77,7 @@ class Diagnostics:
 
     @contextlib.contextmanager
     def capture(self, step: int) -> Iterator[bool]:
-        """Mark ``step`` as collected or not; on a collection step hooks and probes are on inside the block
+        """Mark ``step`` as collected or not; on a collection step the forward hooks are on inside the block
         and removed on exit. Yields whether this step is collected."""
         self.active = self.should_collect(step)
         if not self.active:
@@ -89,10 +90,6 @@ class Diagnostics:
         finally:
             for h in handles:
                 h.remove()
-            for block in self._blocks():
-                if has_attention_probe(block.attn):
-                    block.attn.probe = False
-                    block.attn.probed = None
 
     def _blocks(self) -> list[nn.Module]:
         return list(getattr(self.model, "blocks", []))
@@ -105,10 +102,22 @@ class Diagnostics:
                 if module is not None:
                     handles.append(module.register_forward_hook(self._layer_hook(name)))
         for i, block in enumerate(self._blocks()):
-            if self.cfg.attention and has_attention_probe(block.attn):
-                block.attn.probe = True
+            kernel = attention_kernel(block) if self.cfg.attention else None
+            if kernel is not None:
+                handles.append(kernel.register_forward_pre_hook(self._attention_hook(f"blocks.{i}")))
             handles.append(block.register_forward_hook(self._layer_hook(f"blocks.{i}", block)))
         return handles
+
+    def _attention_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            q, k = args[0], args[1]  # (B, H, T, D), (B, Hkv, S, D)
+            if f"seen/{name}/attn" in self._pending or q.shape[2] != k.shape[2]:  # later micro-batch / cached keys
+                return
+            self._pending[f"seen/{name}/attn"] = 1.0
+            for stat, value in attention_stats(q[:1], k[:1]).items():
+                self._pending[f"attn_{stat}/{name}"] = value
+
+        return hook
 
     def _layer_hook(self, name: str, block: nn.Module | None = None):
         def hook(module: nn.Module, args: Any, out: Tensor) -> None:
@@ -119,21 +128,12 @@ class Diagnostics:
                 for stat, value in activation_stats(out).items():
                     key = stat if stat == "cos_sim" else f"act_{stat}"
                     self._pending[f"{key}/{name}"] = value
-            if block is not None:
-                self._block_extras(name, block)
+            counts = getattr(getattr(block, "ffn", None), "expert_counts", None)
+            if counts is not None:
+                for stat, value in expert_load_stats(counts).items():
+                    self._pending[f"expert_load_{stat}/{name}"] = value
 
         return hook
-
-    def _block_extras(self, name: str, block: nn.Module) -> None:
-        probed = getattr(block.attn, "probed", None)
-        if self.cfg.attention and probed is not None:
-            for stat, value in attention_stats(*probed).items():
-                self._pending[f"attn_{stat}/{name}"] = value
-            block.attn.probe, block.attn.probed = False, None  # later micro-batches: no copies
-        counts = getattr(block.ffn, "expert_counts", None)
-        if counts is not None:
-            for stat, value in expert_load_stats(counts).items():
-                self._pending[f"expert_load_{stat}/{name}"] = value
 
     def after_backward(self) -> None:
         """Per-layer gradient norms; call after the last backward of the step and BEFORE clipping."""

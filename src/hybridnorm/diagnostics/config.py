@@ -3,7 +3,7 @@
     --diagnostics.every=10            per-layer stats at step 1 and every 10th optimizer step
     --diagnostics.skip_spikes=true    drop the update of a step whose loss or grad norm spikes
 
-Collection is off by default (``every=0``: no hooks, no probes, no copies). The spike detector is a guard,
+Collection is off by default (``every=0``: no hooks, no copies). The spike detector is a guard,
 not instrumentation: it only looks at the loss and grad norm the trainer already reads every step, so it
 runs (and logs ``event`` records) unless ``spike_zscore=0``.
 """
@@ -23,7 +23,7 @@ MIN_SPIKE_HISTORY = 10
 class DiagnosticsConfig:
     every: int = 0                 # collect at step 1 and every N optimizer steps; 0 = off
     activations: bool = True       # residual-stream RMS / max-abs / kurtosis / token cosine per block
-    attention: bool = True         # max attention logit and entropy per layer (needs Attention.probe)
+    attention: bool = True         # max attention logit and entropy per layer (a hook on each SDPA module)
     spike_window: int = 50         # rolling window of finite loss / grad-norm values for the z-score
     spike_zscore: float = 6.0      # a value more than this many std above the window mean is a spike; 0 = off
     skip_spikes: bool = False      # skip the optimizer update of a spiking step (the step still counts)

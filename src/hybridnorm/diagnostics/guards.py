@@ -8,8 +8,10 @@ window is part of the checkpoint (``state_dict``) so a resumed run flags exactly
 
 Non-finite steps. :func:`first_nonfinite_module` re-runs the forward of the offending micro-batches once
 with a hook on every module and names the first module, in execution order, whose output is not finite
-(children finish before their parents, so this is the innermost culprit). :func:`divergence_report` adds
-the first non-finite parameter and gradient, the recent losses and the last collected diagnostics.
+(children finish before their parents, so this is the innermost culprit). The hooks also make the
+attention run its Q/K/V norms as modules (its fused fast kernel steps aside while they are hooked), so a
+norm inside the attention is named too. :func:`divergence_report` adds the first non-finite parameter and
+gradient, the recent losses and the last collected diagnostics.
 """
 
 from __future__ import annotations

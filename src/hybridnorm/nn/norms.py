@@ -18,6 +18,11 @@ from torch import Tensor, nn
 from hybridnorm.nn import kernels
 
 
+def _fp32(x: Tensor) -> Tensor:
+    """x in the norms' compute dtype: fp32 for fp32/bf16/fp16 (fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class Norm(nn.Module):
     """Base of every norm with a learnable gain (RMSNorm, LayerNorm, DyT): the optimizer and init find them by it."""
 
@@ -46,7 +51,7 @@ class RMSNorm(Norm):
     def forward(self, x: Tensor) -> Tensor:
         if self.fast:
             return kernels.rms_norm(x, self.gain(), self.eps)
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (..., dim)
+        xf = _fp32(x)  # (..., dim)
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.gain()
         return y.to(x.dtype)
 
@@ -55,7 +60,7 @@ class LayerNorm(Norm):
     """(x - mean(x)) / sqrt(var(x) + eps) · g  (no bias)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x.float(), (self.dim,), self.gain(), None, self.eps).to(x.dtype)
+        return F.layer_norm(_fp32(x), (self.dim,), self.gain(), None, self.eps).to(x.dtype)
 
 
 class DyT(Norm):
@@ -73,7 +78,7 @@ class DyT(Norm):
         nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = torch.tanh(self.alpha * x.float()) * self.gain() + self.bias * self.scale
+        y = torch.tanh(self.alpha * _fp32(x)) * self.gain() + self.bias * self.scale
         return y.to(x.dtype)
 
 
