@@ -23,6 +23,10 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.hf import stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.nn.model import TransformerLM
+from hybridnorm.train.checkpoint import TrainState, save_checkpoint
+from hybridnorm.train.config import DataConfig, TrainConfig
+from hybridnorm.train.optim import build_optimizer
+from hybridnorm.train.run import Run, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCH_CHOICES: tuple[str, ...] = ("auto", MODEL_TYPE, *stock.BY_TYPE)
@@ -116,10 +120,9 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
 
 
 def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype: str = "float32") -> ExportResult:
-    """Export a run folder (its newest good checkpoint) or one ``checkpoints/step_*`` folder."""
-    from hybridnorm.train.load import load_run
-
-    run = load_run(path)
+    """Export a run folder (its newest good checkpoint), one ``checkpoints/step_*`` folder or a local HF
+    folder (to another architecture or dtype)."""
+    run = load_hf_run(path) if is_hf_folder(path) else open_run(path)
     return export_model(run.model, out_dir, run.tokenizer, arch=arch, dtype=dtype, source=str(run.checkpoint))
 
 
@@ -146,12 +149,9 @@ def load_hf(path: str | Path) -> tuple[TransformerLM, str]:
     return model.eval(), cfg.model_type
 
 
-def load_hf_run(path: str | Path):  # -> hybridnorm.train.load.Run
-    """A local HF folder as a :class:`~hybridnorm.train.load.Run` (model, tokenizer, a TrainConfig whose
+def load_hf_run(path: str | Path) -> Run:
+    """A local HF folder as a :class:`~hybridnorm.train.run.Run` (model, tokenizer, a TrainConfig whose
     tokenizer is the folder's), so ``hybridnorm generate|eval`` take HF folders as they take runs."""
-    from hybridnorm.train.config import DataConfig, TrainConfig
-    from hybridnorm.train.load import Run
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
@@ -173,9 +173,6 @@ def load_hf_run(path: str | Path):  # -> hybridnorm.train.load.Run
 
 def import_hf(path: str | Path, out_dir: str | Path) -> Path:
     """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000)."""
-    from hybridnorm.train.checkpoint import TrainState, save_checkpoint
-    from hybridnorm.train.optim import build_optimizer
-
     out = Path(out_dir)
     if (out / "checkpoints").exists():
         raise ConfigError(f"{out} already holds a run (checkpoints/); choose a new folder")

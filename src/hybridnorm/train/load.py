@@ -1,27 +1,23 @@
-"""Open a trained run (its folder or one checkpoint in it) for generation and evaluation."""
+"""Open a trained run OR a local Hugging Face model folder for generation and evaluation.
+
+This is the one loader above both kinds of folder: runs through :mod:`hybridnorm.train.run`, HF folders
+through :mod:`hybridnorm.hf.export` (imported only for an HF folder: it needs the optional
+``transformers``). Nothing below it imports it, so ``hybridnorm.hf`` and the run loader never form a cycle.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hybridnorm.data import Tokenizer, load_tokenizer, prepare_data, val_batches
+from hybridnorm.data import prepare_data, val_batches
 from hybridnorm.errors import ConfigError
-from hybridnorm.nn.model import TransformerLM, lm_loss
-from hybridnorm.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_weights
-from hybridnorm.train.config import TrainConfig
+from hybridnorm.nn.model import lm_loss
+from hybridnorm.train.run import Run, is_hf_folder, open_run
 
-
-@dataclass
-class Run:
-    run_dir: Path
-    checkpoint: Path
-    config: TrainConfig
-    model: TransformerLM
-    tokenizer: Tokenizer
+__all__ = ["Run", "evaluate_run", "load_run"]
 
 
 def load_run(path: str | Path) -> Run:
@@ -30,31 +26,14 @@ def load_run(path: str | Path) -> Run:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"no run folder or checkpoint at {path}")
-    if (path / "config.json").is_file() and not (path / "config.yaml").exists():  # a Hugging Face folder
+    if is_hf_folder(path):
         try:
             from hybridnorm.hf.export import load_hf_run
         except ImportError:
             raise ConfigError(f"{path} is a Hugging Face model folder: reading it needs transformers "
                               "(pip install 'hybridnorm[hf]')") from None
         return load_hf_run(path)
-    if (path / "manifest.json").exists() or path.name.startswith("step_"):
-        ckpt, run_dir = path, path.parent.parent
-    else:
-        run_dir = path
-        ckpt = latest_checkpoint(path / "checkpoints")
-        if ckpt is None:
-            found = list_checkpoints(path / "checkpoints")
-            raise CheckpointError(f"{path} has no usable checkpoint" + (
-                f" ({len(found)} found, none verifies)" if found else " (no checkpoints/step_* folder)"))
-    cfg = TrainConfig.load(run_dir / "config.yaml")
-    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"vocab mismatch: tokenizer {run_dir / 'tokenizer.json'} has {tokenizer.vocab_size} "
-                          f"tokens but the model in {ckpt} has vocab_size {cfg.model.vocab_size}")
-    model = TransformerLM(cfg.model)
-    load_weights(ckpt, model)
-    model.eval()
-    return Run(run_dir, ckpt, cfg, model, tokenizer)
+    return open_run(path)
 
 
 @torch.no_grad()

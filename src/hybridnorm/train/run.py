@@ -1,0 +1,57 @@
+"""A trained run on disk: open its folder (or one checkpoint in it) as model, tokenizer and config.
+
+Runs only. :func:`hybridnorm.train.load.load_run` opens a run OR a Hugging Face model folder; it sits above
+``hybridnorm.hf`` (which itself opens runs through this module to export them), so the two never import
+each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridnorm.data import Tokenizer, load_tokenizer
+from hybridnorm.errors import ConfigError
+from hybridnorm.nn.model import TransformerLM
+from hybridnorm.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_weights
+from hybridnorm.train.config import TrainConfig
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    checkpoint: Path
+    config: TrainConfig
+    model: TransformerLM
+    tokenizer: Tokenizer
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A Hugging Face model folder: a ``config.json`` and no run ``config.yaml``."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / "config.yaml").exists()
+
+
+def open_run(path: str | Path) -> Run:
+    """``path`` is a run folder (its newest good checkpoint is used) or a ``checkpoints/step_*`` folder."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"no run folder or checkpoint at {path}")
+    if (path / "manifest.json").exists() or path.name.startswith("step_"):
+        ckpt, run_dir = path, path.parent.parent
+    else:
+        run_dir = path
+        ckpt = latest_checkpoint(path / "checkpoints")
+        if ckpt is None:
+            found = list_checkpoints(path / "checkpoints")
+            raise CheckpointError(f"{path} has no usable checkpoint" + (
+                f" ({len(found)} found, none verifies)" if found else " (no checkpoints/step_* folder)"))
+    cfg = TrainConfig.load(run_dir / "config.yaml")
+    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"vocab mismatch: tokenizer {run_dir / 'tokenizer.json'} has {tokenizer.vocab_size} "
+                          f"tokens but the model in {ckpt} has vocab_size {cfg.model.vocab_size}")
+    model = TransformerLM(cfg.model)
+    load_weights(ckpt, model)
+    model.eval()
+    return Run(run_dir, ckpt, cfg, model, tokenizer)
