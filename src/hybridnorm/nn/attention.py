@@ -69,13 +69,16 @@ def _has_enable_gqa() -> bool:
 _ENABLE_GQA = _has_enable_gqa()
 
 
-def has_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` would run any hook: its own forward / pre-forward / backward hooks or a
-    global module hook (the same test ``nn.Module.__call__`` makes before skipping its hook machinery)."""
-    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-             "_global_backward_pre_hooks")
-    return any(own) or any(getattr(torch_module, n, None) for n in names)
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def has_hooks(*modules: nn.Module) -> bool:
+    """Whether calling any of ``modules`` would run a hook: its own forward / pre-forward / backward hooks or a
+    global module hook (the test ``nn.Module.__call__`` makes before skipping its hook machinery)."""
+    return (any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                for m in modules)
+            or any(getattr(torch_module, name, None) for name in _GLOBAL_HOOKS))
 
 
 class SDPA(nn.Module):
@@ -129,9 +132,9 @@ class Attention(nn.Module):
     def _use_fused(self) -> bool:
         if self._fused_range is None:
             return False
-        norms = [m for m, _ in self._qkv_norms()]
-        return (all(type(m) is RMSNorm for m in norms) and len({m.eps for m in norms}) <= 1
-                and not any(has_hooks(m) for m in norms))
+        norms = [m for m in (self.q_norm, self.k_norm, self.v_norm) if m is not None]
+        return (not has_hooks(*norms) and all(type(m) is RMSNorm for m in norms)
+                and len({m.eps for m in norms}) <= 1)
 
     def _fused_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The general path's split, Q/K/V norms and RoPE as one ``kernels.QKVPrep`` (same math): the
