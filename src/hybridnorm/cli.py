@@ -108,7 +108,8 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
     grid = Grid(_csv(args.placements, "--placements"), inits, axes, seeds, warmup_frac=args.warmup_frac)
     summary = run_experiment(_config(args, extra), grid, args.out, jobs=args.jobs, baseline=args.baseline,
                              command=command_line(sys.argv[1:] if args.argv is None else args.argv),
-                             title="Placement comparison" if args.command == "compare" else "Placement sweep")
+                             title="Placement comparison" if args.command == "compare" else "Placement sweep",
+                             train=not args.report_only)
     print(f"report: {summary}")
     return 0
 
@@ -295,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--warmup-frac", type=float, help="warmup steps as a fraction of max_steps at every point")
         c.add_argument("--baseline", help="placement the others are compared with (default: the first)")
         c.add_argument("--jobs", type=int, default=1, help="runs trained side by side, cores split between them")
+        c.add_argument("--report-only", action="store_true",
+                       help="train nothing: rewrite the report from the runs finished so far")
         c.set_defaults(func=_experiment)
 
     g = sub.add_parser("generate", parents=[common], help="sample text from a run folder or checkpoint")

@@ -27,7 +27,7 @@ from hybridnorm.train.config import TrainConfig
 
 
 def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: int = 1, baseline: str | None = None,
-                   command: str | None = None, title: str = "Placement comparison") -> Path:
+                   command: str | None = None, title: str = "Placement comparison", train: bool = True) -> Path:
     out = Path(out_dir)
     grid.validate()
     baseline = baseline or grid.placements[0]
@@ -37,7 +37,7 @@ def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: 
     def report(records: list) -> None:
         write_report(records, out, baseline, command, title)
 
-    runs = run_grid(base, grid, out, jobs=jobs, on_progress=report)
+    runs = run_grid(base, grid, out, jobs=jobs, on_progress=report, train=train)
     print_verdicts(runs)
     report(runs)
     return out / "summary.md"

@@ -41,7 +41,7 @@ from hybridnorm.train.config import TrainConfig, apply_overrides
 KNOB_ALIASES = {"lr": "optim.lr", "depth": "model.n_layers", "layers": "model.n_layers", "warmup": "optim.warmup_steps",
                 "width": "model.d_model", "steps": "max_steps", "clip": "optim.grad_clip"}
 INIT_AXIS = ("paper", *INITS)
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED, EXIT_PAUSED = 130, 75  # a worker's exit codes besides 0 (done) and 2 (bad input)
 
 
 def knob_key(name: str) -> str:
@@ -163,17 +163,22 @@ def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> bool:
     return not (run_dir / "done.json").is_file()
 
 
-def train_point(run_dir: Path) -> bool:
-    """Train one prepared point in this process; False if a signal interrupted it (checkpoint saved)."""
+def train_point(run_dir: Path) -> str:
+    """Train one prepared point in this process: ``"done"`` (finished, or stopped by the non-finite guard),
+    ``"interrupted"`` (a signal) or ``"paused"`` (the config's own stop_after_steps / max_minutes); a run
+    that is not done has its checkpoint saved and the next call continues it."""
     from hybridnorm.train.trainer import train
 
     spec = json.loads((run_dir / "point.json").read_text(encoding="utf-8"))
-    result = train(TrainConfig.from_dict(spec["config"]), resume=True, quiet=True)
+    cfg = TrainConfig.from_dict(spec["config"])
+    result = train(cfg, resume=True, quiet=True)
     if result.interrupted:
-        return False
+        return "interrupted"
+    if not (result.diverged or result.step >= cfg.max_steps):
+        return "paused"
     (run_dir / "done.json").write_text(json.dumps({"step": result.step, "diverged": result.diverged}) + "\n",
                                        encoding="utf-8")
-    return True
+    return "done"
 
 
 @contextlib.contextmanager
@@ -214,6 +219,8 @@ def _run_parallel(todo: list[Path], jobs: int, on_done: Callable[[Path], None]) 
                 log.close()
                 if rc == EXIT_INTERRUPTED:
                     raise KeyboardInterrupt
+                if rc == EXIT_PAUSED:
+                    continue
                 if rc != 0:
                     failed.append((run_dir, rc))
                     print(f"[grid] worker for {run_dir} failed (exit {rc}); see {run_dir / 'worker.log'}",
@@ -232,15 +239,18 @@ def _run_parallel(todo: list[Path], jobs: int, on_done: Callable[[Path], None]) 
 
 
 def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
-             on_progress: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
+             on_progress: Callable[[list[RunRecord]], None] | None = None, train: bool = True) -> list[RunRecord]:
     """Train every point of ``grid`` not yet done; return the records of all its points (finished or not).
-    ``on_progress`` is called with all records after each run that finishes (e.g. to rewrite the report)."""
+    ``on_progress`` is called with all records after each run that finishes (e.g. to rewrite the report).
+    ``train=False`` only reads what is there (a report of a grid that another process is still running)."""
     if jobs < 1:
         raise ConfigError(f"--jobs={jobs} must be >= 1")
     grid.validate()
     out = Path(out_dir)
     points = grid.points()
     dirs = {p: out / "runs" / p.name for p in points}
+    if not train:
+        return [read_run(dirs[p]) for p in points]
     todo = [dirs[p] for p in points if prepare_point(point_config(base, grid, p, dirs[p]), p, dirs[p])]
     print(f"[grid] {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train "
           f"({jobs} at a time) -> {out}", file=sys.stderr, flush=True)
@@ -257,9 +267,11 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
         if jobs == 1:
             for i, run_dir in enumerate(todo, 1):
                 print(f"[grid] {i}/{len(todo)} {run_dir.name}", file=sys.stderr, flush=True)
-                if not train_point(run_dir):
+                status = train_point(run_dir)
+                if status == "interrupted":
                     raise KeyboardInterrupt  # stop the whole grid; re-running it continues where it stopped
-                progress(run_dir)
+                if status == "done":
+                    progress(run_dir)
         else:
             failed = _run_parallel(todo, jobs, progress)
     if failed:
@@ -280,10 +292,16 @@ def _worker_main(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return 0 if train_point(Path(args.run_dir)) else EXIT_INTERRUPTED
+        return {"done": 0, "interrupted": EXIT_INTERRUPTED, "paused": EXIT_PAUSED}[train_point(Path(args.run_dir))]
     except (ConfigError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the log is for the person debugging the grid: the traceback, then one line
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -69,9 +69,9 @@ def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = No
         plots.by_depth(done, out / "activation_rms_by_depth.png", "act_rms", [1, last], "RMS of block output",
                        "activation RMS by depth")
     axes = _numeric_axes(done)
-    for key in axes:
+    for key in (k for k in axes if len({r.knobs[k] for r in done}) > 1):  # a curve needs two values
         plots.knob_curve(_knob_points(done, key), out / f"sweep_{key}.png", key, log_x=key == "optim.lr")
-    text = _summary(runs, done, groups, axes, baseline, command, title)
+    text = _summary(runs, done, groups, axes, baseline, command, title, out)
     (out / "summary.md").write_text(text, encoding="utf-8")
     return out / "summary.md"
 
@@ -98,8 +98,8 @@ def _group_stats(done: Sequence[RunRecord], baseline: str | None) -> list[dict[s
 
 def _numeric_axes(done: Sequence[RunRecord]) -> list[str]:
     keys = list(dict.fromkeys(k for r in done for k in r.knobs))
-    return [k for k in keys if len({r.knobs.get(k) for r in done}) > 1
-            and all(isinstance(r.knobs.get(k), (int, float)) and not isinstance(r.knobs.get(k), bool) for r in done)]
+    return [k for k in keys
+            if all(isinstance(r.knobs.get(k), (int, float)) and not isinstance(r.knobs.get(k), bool) for r in done)]
 
 
 def _knob_points(done: Sequence[RunRecord], key: str) -> dict[str, list[tuple[float, float]]]:
@@ -121,7 +121,7 @@ def _knob_points(done: Sequence[RunRecord], key: str) -> dict[str, list[tuple[fl
 
 
 def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[dict[str, Any]], axes: list[str],
-             baseline: str | None, command: str | None, title: str) -> str:
+             baseline: str | None, command: str | None, title: str, out: Path) -> str:
     lines = [f"# {title}", ""]
     if command:
         lines += ["```", command, "```", ""]
@@ -179,7 +179,7 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
     if done:
         lines += ["![loss curves](loss_curves.png)", "", "![gradient norm by depth](grad_norm_by_depth.png)", "",
                   "![activation RMS by depth](activation_rms_by_depth.png)", ""]
-        lines += [f"![sweep over {k}](sweep_{k}.png)" for k in axes] + [""]
+        lines += [f"![sweep over {k}](sweep_{k}.png)" for k in axes if (out / f"sweep_{k}.png").is_file()] + [""]
         lines += ["Equations of the placements:", ""]
         lines += [f"- `{n}`: {registry.block_equations(registry.get(n).block)}"
                   for n in dict.fromkeys(r.placement for r in done)] + [""]

@@ -1,0 +1,117 @@
+"""Grids: the points and their configs, resuming an interrupted grid, skipping finished runs, refusing a
+changed config, and --jobs (worker processes) giving the runs one process would."""
+
+import json
+
+import pytest
+
+from hybridnorm.errors import ConfigError
+from hybridnorm.experiments.grid import Grid, point_config, run_grid
+from hybridnorm.experiments.runs import read_run
+
+
+def test_points_cover_the_product_seeds_outermost_and_configs_follow(make_cfg, tmp_path):
+    grid = Grid(["pre", "hybridnorm"], ["paper", "normal"], [("lr", [1e-3, 1e-2]), ("depth", [2, 3])], [0, 1],
+                warmup_frac=0.25)
+    points = grid.points()
+    assert len(points) == 2 * 2 * 2 * 2 * 2
+    assert [p.seed for p in points[:16]] == [0] * 16  # a partial grid holds whole comparisons of one seed
+    assert len({p.name for p in points}) == len(points)
+    base = make_cfg(tmp_path / "x", "--max_steps=40")
+    p = next(p for p in points if p.placement == "hybridnorm" and p.init == "paper" and dict(p.knobs) ==
+             {"optim.lr": 1e-2, "model.n_layers": 3} and p.seed == 1)
+    cfg = point_config(base, grid, p, tmp_path / p.name)
+    assert (cfg.optim.lr, cfg.model.n_layers, cfg.seed, cfg.optim.warmup_steps) == (1e-2, 3, 1, 10)
+    assert cfg.model.resolved_init() == "megatron"  # paper: HybridNorm's own init
+    q = next(q for q in points if q.placement == "hybridnorm" and q.init == "normal")
+    assert point_config(base, grid, q, tmp_path / q.name).model.resolved_init() == "normal"
+    assert cfg.diagnostics.every > 0  # the verdicts need diagnostics: collected without being asked
+
+
+@pytest.mark.parametrize("bad", [dict(inits=["xavier"]), dict(placements=["pre", "hybridnrom"]),
+                                 dict(axes=[("seed", [1])]), dict(axes=[("lr", [1]), ("optim.lr", [2])]),
+                                 dict(warmup_frac=1.5), dict(seeds=[])])
+def test_bad_grids_are_refused_by_name(bad):
+    args = dict(placements=["pre"], inits=["megatron"], axes=[], seeds=[0])
+    args.update(bad)
+    with pytest.raises(ConfigError):
+        Grid(**args).validate()
+
+
+def _losses(run_dir):
+    return [r["loss"] for r in read_run(run_dir).train]
+
+
+def test_interrupted_grid_resumes_and_finished_runs_are_skipped(make_cfg, tmp_path):
+    grid = Grid(["pre", "hybridnorm"], ["megatron"], [], [0])
+    # the reference: the same grid in one go
+    full = run_grid(make_cfg(tmp_path / "u", "--max_steps=8", "--ckpt_interval=2"), grid, tmp_path / "full")
+    assert all(r.done and r.last_step == 8 for r in full)
+
+    # interrupted: every run stops after 5 of its 8 steps (checkpoint saved, no done.json)
+    paused = make_cfg(tmp_path / "u", "--max_steps=8", "--ckpt_interval=2", "--stop_after_steps=5")
+    first = run_grid(paused, grid, tmp_path / "g")
+    assert all(not r.done and r.last_step == 5 for r in first)
+    second = run_grid(paused, grid, tmp_path / "g")  # the same command again continues each run
+    assert all(r.done and r.last_step == 8 for r in second)
+    for a, b in zip(full, second, strict=True):
+        assert _losses(b.path) == _losses(a.path)  # resumed runs reproduce the uninterrupted ones exactly
+
+    before = {r.path: (r.path / "metrics.jsonl").read_text() for r in second}
+    again = run_grid(paused, grid, tmp_path / "g")  # nothing left to train: nothing is touched
+    assert {r.path: (r.path / "metrics.jsonl").read_text() for r in again} == before
+
+
+def test_a_run_folder_made_with_another_config_is_refused(make_cfg, tmp_path):
+    grid = Grid(["pre"], ["megatron"], [], [0])
+    run_grid(make_cfg(tmp_path / "u", "--max_steps=2"), grid, tmp_path / "g")
+    with pytest.raises(ConfigError, match="batch_size"):
+        run_grid(make_cfg(tmp_path / "u", "--max_steps=2", "--batch_size=2"), grid, tmp_path / "g")
+
+
+def test_jobs_train_in_worker_processes_with_the_same_results(make_cfg, tmp_path):
+    grid = Grid(["pre", "post"], ["megatron"], [("lr", [1e-3, 3e-3])], [0])
+    base = make_cfg(tmp_path / "u", "--max_steps=4")
+    serial = run_grid(base, grid, tmp_path / "serial")
+    parallel = run_grid(base, grid, tmp_path / "parallel", jobs=2)
+    assert all(r.done for r in parallel) and len(parallel) == 4
+    for a, b in zip(serial, parallel, strict=True):
+        assert a.path.name == b.path.name
+        assert _losses(b.path) == pytest.approx(_losses(a.path), rel=1e-5)  # 1 thread vs 2: reduction order only
+        assert (b.path / "worker.log").is_file()
+    with pytest.raises(ConfigError, match="jobs"):
+        run_grid(base, grid, tmp_path / "p2", jobs=0)
+
+
+def test_a_failing_worker_is_reported_and_the_rest_of_the_grid_runs(make_cfg, tmp_path):
+    grid = Grid(["pre", "post"], ["megatron"], [], [0])
+    base = make_cfg(tmp_path / "u", "--max_steps=2")
+    out = tmp_path / "g"
+    # break one run's point file after it is written: its worker exits 2, the other run still trains
+    from hybridnorm.experiments import grid as grid_mod
+
+    real = grid_mod.prepare_point
+
+    def sabotage(cfg, point, run_dir):
+        todo = real(cfg, point, run_dir)
+        if point.placement == "post":
+            spec = json.loads((run_dir / "point.json").read_text())
+            spec["config"]["model"]["placement"] = "no_such_placement"
+            (run_dir / "point.json").write_text(json.dumps(spec))
+        return todo
+
+    grid_mod.prepare_point = sabotage
+    try:
+        runs = run_grid(base, grid, out, jobs=2)
+    finally:
+        grid_mod.prepare_point = real
+    done = {r.placement: r.done for r in runs}
+    assert done == {"pre": True, "post": False}
+    log = (out / "runs" / runs[1].path.name / "worker.log").read_text()
+    assert "error:" in log and "no_such_placement" in log
+
+
+def test_report_only_reads_without_training(make_cfg, tmp_path):
+    grid = Grid(["pre"], ["megatron"], [], [0])
+    runs = run_grid(make_cfg(tmp_path / "u", "--max_steps=2"), grid, tmp_path / "g", train=False)
+    assert len(runs) == 1 and not runs[0].done and not (tmp_path / "g" / "runs").exists()
