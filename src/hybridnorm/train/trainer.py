@@ -206,7 +206,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
         while state.step < cfg.max_steps:
             set_lr(optimizer, lr := lr_at(state.step, cfg.optim, cfg.max_steps))
             loss_sum, micro_batches = torch.zeros((), device=device), []
-            with diag.capture(state.step + 1):  # hooks and probes on collection steps only
+            with diag.capture(state.step + 1):  # hooks on collection steps only
                 for micro in range(cfg.grad_accum):
                     x, y = (t.to(device) for t in next(batches))
                     micro_batches.append((x, y))
