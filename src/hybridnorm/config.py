@@ -74,7 +74,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
-            _check_fields("moe", self.moe, MoEConfig)
+            check_fields("moe", self.moe, MoEConfig)
             self.moe = MoEConfig(**self.moe)
         self.validate()
 
@@ -163,7 +163,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"ModelConfig: expected a mapping, got {type(d).__name__}")
-        _check_fields("ModelConfig", d, cls)
+        check_fields("ModelConfig", d, cls)
         return cls(**d)
 
     def to_yaml(self) -> str:
@@ -212,12 +212,12 @@ class ModelConfig:
         if key not in SIZES:
             raise ConfigError(f"size {size!r} is not one of {', '.join(SIZES)}")
         d = dict(SIZES[key])
-        _check_fields("ModelConfig", overrides, cls)
+        check_fields("ModelConfig", overrides, cls)
         d.update(overrides)
         return cls.from_dict(d)
 
 
-def _check_fields(where: str, d: dict[str, Any], cls: type) -> None:
+def check_fields(where: str, d: dict[str, Any], cls: type) -> None:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in d:
         if key not in names:

@@ -6,10 +6,10 @@ imports it; :func:`run_lm_eval` and :class:`HybridNormLM` are loaded from ``lm_e
 and raise :class:`~hybridnorm.errors.ConfigError` when it is missing.
 """
 
-from pathlib import Path
 from typing import Any
 
 from hybridnorm.eval.multiple_choice import MCItem, MCItemResult, MCResult, evaluate_mc, read_mc_jsonl
+from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.perplexity import PerplexityResult, perplexity, perplexity_of_run, read_documents
 from hybridnorm.eval.scoring import (
     encode_pair,
@@ -19,8 +19,6 @@ from hybridnorm.eval.scoring import (
     loglikelihood_rolling_text,
     loglikelihood_text,
 )
-
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # lm-eval tasks shipped with the package (kjv_mc)
 
 _LAZY = ("run_lm_eval", "HybridNormLM")
 

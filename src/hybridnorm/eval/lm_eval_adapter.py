@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hybridnorm.errors import ConfigError
-from hybridnorm.eval import TASKS_DIR
+from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.scoring import encode_pair, greedy_until, loglikelihood, loglikelihood_rolling
 from hybridnorm.train.load import Run, load_run
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from hybridnorm.config import ModelConfig, _check_fields
+from hybridnorm.config import ModelConfig, check_fields
 from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.optim import OptimConfig
@@ -72,7 +72,7 @@ class TrainConfig:
                           ("diagnostics", DiagnosticsConfig)):
             value = getattr(self, name)
             if isinstance(value, dict):
-                _check_fields(name, value, cls)
+                check_fields(name, value, cls)
                 setattr(self, name, cls.from_dict(value) if cls is ModelConfig else cls(**value))
         if isinstance(self.optim.betas, list):
             self.optim.betas = tuple(self.optim.betas)
@@ -112,7 +112,7 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"train config: expected a mapping, got {type(d).__name__}")
-        _check_fields("train config", d, cls)
+        check_fields("train config", d, cls)
         return cls(**d)
 
     @classmethod
