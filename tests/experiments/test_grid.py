@@ -115,3 +115,15 @@ def test_report_only_reads_without_training(make_cfg, tmp_path):
     grid = Grid(["pre"], ["megatron"], [], [0])
     runs = run_grid(make_cfg(tmp_path / "u", "--max_steps=2"), grid, tmp_path / "g", train=False)
     assert len(runs) == 1 and not runs[0].done and not (tmp_path / "g" / "runs").exists()
+
+
+def test_an_unfinished_run_without_checkpoints_restarts_with_a_clean_log(make_cfg, tmp_path):
+    import shutil
+
+    grid = Grid(["pre"], ["megatron"], [], [0])
+    paused = make_cfg(tmp_path / "u", "--max_steps=6", "--ckpt_interval=2", "--stop_after_steps=3")
+    (run,) = run_grid(paused, grid, tmp_path / "g")
+    shutil.rmtree(run.path / "checkpoints")  # as in a grid folder committed without its bulk
+    (run,) = run_grid(paused, grid, tmp_path / "g")
+    assert [r["step"] for r in run.train] == [1, 2, 3]  # one history, from step 0 again
+    assert (run.path / "metrics.stale.jsonl").is_file()
