@@ -107,7 +107,8 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
                                                           else "megatron"]
     grid = Grid(_csv(args.placements, "--placements"), inits, axes, seeds, warmup_frac=args.warmup_frac)
     summary = run_experiment(_config(args, extra), grid, args.out, jobs=args.jobs, baseline=args.baseline,
-                             command=command_line(sys.argv[1:] if args.argv is None else args.argv),
+                             command=command_line([a for a in (sys.argv[1:] if args.argv is None else args.argv)
+                                                   if a != "--report-only"]),  # the command that trains it
                              title="Placement comparison" if args.command == "compare" else "Placement sweep",
                              train=not args.report_only)
     print(f"report: {summary}")
