@@ -62,6 +62,19 @@ def test_interrupted_grid_resumes_and_finished_runs_are_skipped(make_cfg, tmp_pa
     assert {r.path: (r.path / "metrics.jsonl").read_text() for r in again} == before
 
 
+def test_a_moved_grid_resumes_where_it_now_lies(make_cfg, tmp_path):
+    import shutil
+
+    grid = Grid(["pre"], ["megatron"], [], [0])
+    full = run_grid(make_cfg(tmp_path / "u", "--max_steps=6", "--ckpt_interval=2"), grid, tmp_path / "full")
+    paused = make_cfg(tmp_path / "u", "--max_steps=6", "--ckpt_interval=2", "--stop_after_steps=3")
+    run_grid(paused, grid, tmp_path / "g")
+    shutil.move(tmp_path / "g", tmp_path / "moved")  # e.g. a clone of the repo, or another working directory
+    runs = run_grid(paused, grid, tmp_path / "moved")
+    assert runs[0].done and runs[0].last_step == 6 and not (tmp_path / "g").exists()
+    assert _losses(runs[0].path) == _losses(full[0].path)  # continued from its checkpoint, in its new place
+
+
 def test_a_run_folder_made_with_another_config_is_refused(make_cfg, tmp_path):
     grid = Grid(["pre"], ["megatron"], [], [0])
     run_grid(make_cfg(tmp_path / "u", "--max_steps=2"), grid, tmp_path / "g")

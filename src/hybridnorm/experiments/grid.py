@@ -150,7 +150,9 @@ def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> bool:
         except json.JSONDecodeError as e:
             raise ConfigError(f"grid point file {path} is not valid JSON ({e}); "
                               "delete the run folder to redo it") from None
-        diff = config_differences(have.get("config", {}), want["config"], common_only=True)
+        # out_dir is the folder itself: a grid moved, cloned or started from another directory is the same grid
+        diff = [k for k in config_differences(have.get("config", {}), want["config"], common_only=True)
+                if k != "out_dir"]
         if have.get("point") != want["point"] or diff:
             diff = diff or ["point"]
             raise ConfigError(f"run folder {run_dir} was trained with a different config ({', '.join(diff)} "
@@ -171,7 +173,7 @@ def train_point(run_dir: Path) -> str:
     from hybridnorm.train.trainer import train
 
     spec = json.loads((run_dir / "point.json").read_text(encoding="utf-8"))
-    cfg = TrainConfig.from_dict(spec["config"])
+    cfg = dataclasses.replace(TrainConfig.from_dict(spec["config"]), out_dir=str(run_dir))  # wherever it lies now
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and not list_checkpoints(run_dir / "checkpoints"):
         # an unfinished run whose checkpoints are gone (e.g. a grid folder committed without them) restarts
