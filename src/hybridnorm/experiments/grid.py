@@ -36,7 +36,7 @@ from hybridnorm import placements as registry
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.runs import RunRecord, read_run, slug
 from hybridnorm.placements.spec import INITS
-from hybridnorm.train.config import TrainConfig, apply_overrides
+from hybridnorm.train.config import TrainConfig
 
 KNOB_ALIASES = {"lr": "optim.lr", "depth": "model.n_layers", "layers": "model.n_layers", "warmup": "optim.warmup_steps",
                 "width": "model.d_model", "steps": "max_steps", "clip": "optim.grad_clip"}
@@ -116,7 +116,7 @@ def point_config(base: TrainConfig, grid: Grid, point: GridPoint, run_dir: Path)
     overrides = [f"--{k}={v}" for k, v in point.knobs]
     overrides += [f"--model.placement={point.placement}", f"--seed={point.seed}", f"--out_dir={run_dir}",
                   f"--model.init={'default' if point.init == 'paper' else point.init}"]
-    cfg = TrainConfig.from_dict(apply_overrides(base.to_dict(), overrides))
+    cfg = base.with_overrides(overrides)
     if grid.warmup_frac is not None:
         cfg.optim.warmup_steps = round(grid.warmup_frac * cfg.max_steps)
     return with_diagnostics(cfg, grid.diag_every).validate()

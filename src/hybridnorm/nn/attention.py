@@ -57,18 +57,6 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
-def _has_enable_gqa() -> bool:
-    try:
-        q, kv = torch.zeros(1, 2, 1, 2), torch.zeros(1, 1, 1, 2)
-        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)  # torch >= 2.5
-        return True
-    except TypeError:
-        return False
-
-
-_ENABLE_GQA = _has_enable_gqa()
-
-
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 
@@ -88,11 +76,8 @@ class SDPA(nn.Module):
     may attend; ``causal``: query i sees keys <= i (T == S, no mask)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-        H, Hkv = q.shape[1], k.shape[1]
-        if Hkv != H and not _ENABLE_GQA:
-            k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))  # (B, H, S, D)
-        kw = {"enable_gqa": True} if Hkv != H and _ENABLE_GQA else {}
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **kw)
+        gqa = k.shape[1] != q.shape[1]  # torch >= 2.5 maps query heads onto KV heads itself
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 class Attention(nn.Module):

@@ -59,7 +59,14 @@ class Block(nn.Module):
         h = op(u)
         if out_norm is not None:
             h = out_norm(h)
-        skip = {"input": s, "normed": u, "block": x}.get(spec.skip) if spec.skip != "block+input" else x + s
+        if spec.skip == "input":
+            skip = s
+        elif spec.skip == "normed":
+            skip = u
+        elif spec.skip == "block":
+            skip = x
+        else:  # "block+input"
+            skip = x + s
         if self.alpha != 1.0:
             skip = self.alpha * skip
         if self.beta != 1.0:

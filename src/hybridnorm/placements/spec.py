@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hybridnorm.config_base import from_mapping
 from hybridnorm.errors import ConfigError
 
 Skip = Literal["input", "normed", "block", "block+input"]
@@ -173,35 +174,8 @@ class Placement:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Placement:
-        d = dict(d)
-        where = f"placement[{d.get('name', '?')}]"
-        _known(where, d, Placement)
-        d.pop("aliases", None)
-        d["block"] = _block_from_dict(f"{where}.block", d.get("block", {}))
-        overrides = []
-        for i, o in enumerate(d.get("overrides", ())):
-            o = dict(o)
-            _known(f"{where}.overrides[{i}]", o, Override)
-            o["block"] = _block_from_dict(f"{where}.overrides[{i}].block", o.get("block", {}))
-            overrides.append(Override(**o))
-        d["overrides"] = tuple(overrides)
-        return Placement(**d).validate()
-
-
-def _known(where: str, d: dict[str, Any], cls: type) -> None:
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in d:
-        if key not in names:
-            raise ConfigError(f"{where}: unknown field {key!r}; valid fields: {', '.join(sorted(names))}")
-
-
-def _block_from_dict(where: str, d: dict[str, Any] | BlockSpec) -> BlockSpec:
-    if isinstance(d, BlockSpec):
-        return d
-    d = dict(d)
-    _known(where, d, BlockSpec)
-    for part in ("attn", "ffn"):
-        if part in d and not isinstance(d[part], SublayerSpec):
-            _known(f"{where}.{part}", d[part], SublayerSpec)
-            d[part] = SublayerSpec(**d[part])
-    return BlockSpec(**d)
+        """A placement from plain data: unknown keys refused and every field type-checked (config_base)."""
+        where = f"placement[{d.get('name', '?')}]" if isinstance(d, dict) else "placement"
+        if isinstance(d, dict):
+            d = {k: v for k, v in d.items() if k != "aliases"}  # names, not part of the spec
+        return from_mapping(Placement, d, where).validate()

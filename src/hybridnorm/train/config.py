@@ -1,40 +1,43 @@
 """The training run's configuration: model + data + optimizer + loop settings, one YAML file.
 
 ``--key=value`` overrides use dotted paths (``--optim.lr=1e-3``, ``--model.n_layers=8``); values are
-parsed with YAML's *safe* loader and checked against the field's type, so a typo names the field and
-the valid choices instead of silently doing something else.
+read with YAML's *safe* loader and every field is type- and range-checked by the one config mechanism
+(:mod:`hybridnorm.config_base`), so a typo names the field and the valid choices instead of silently
+doing something else.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
-import yaml
-
-from hybridnorm.config import ModelConfig, check_fields
+from hybridnorm.config import ModelConfig
+from hybridnorm.config_base import Config, bounded, read_file
+from hybridnorm.data.tokenizer import MIN_BPE_VOCAB
 from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.optim import OptimConfig
 
 PRECISIONS = ("fp32", "bf16")
 TOKENIZERS = ("bpe", "bytes")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Config):
+    SECTION: ClassVar[str] = "data"
     source: str = "kjv"            # "kjv" (embedded), a local file/folder, or "hf:<dataset>"
     tokenizer: str = "bpe"         # bpe | bytes | path to a tokenizer.json
-    vocab_size: int = 8192         # for bpe
+    vocab_size: int = bounded(8192, ge=MIN_BPE_VOCAB)  # for bpe
     cache_dir: str | None = None   # None: $HYBRIDNORM_CACHE or ~/.cache/hybridnorm
 
-    def validate(self, where: str = "data") -> None:
+    def check(self) -> None:
+        if not self.source.strip():
+            raise ConfigError("data.source='' must name a corpus: kjv, kjv-bigval, a local file/folder or hf:<name>")
         if self.tokenizer not in TOKENIZERS and not Path(self.tokenizer).exists():
-            raise ConfigError(f"{where}.tokenizer={self.tokenizer!r} is not one of "
+            raise ConfigError(f"data.tokenizer={self.tokenizer!r} is not one of "
                               f"{', '.join(map(repr, TOKENIZERS))} nor an existing tokenizer.json")
 
 
@@ -44,148 +47,63 @@ def _default_model() -> ModelConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Config):
     model: ModelConfig = field(default_factory=_default_model)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=50))
-    batch_size: int = 16           # sequences per process per micro-step
-    grad_accum: int = 1
-    seq_len: int = 256
-    max_steps: int = 480           # the default job: ~7-8 minutes on 2 CPU cores
-    max_minutes: float = 0.0       # stop (and checkpoint) after this wall time; 0 = no limit
-    stop_after_steps: int = 0      # stop (and checkpoint) after this many steps of this invocation, keeping
-                                   # the LR schedule of max_steps (a chunked job; resume later); 0 = no limit
-    precision: str = "bf16"        # fp32 | bf16 (autocast)
+    batch_size: int = bounded(16, ge=1)       # sequences per process per micro-step
+    grad_accum: int = bounded(1, ge=1)
+    seq_len: int = bounded(256, ge=1)
+    max_steps: int = bounded(480, ge=0)       # the default job: ~7-8 minutes on 2 CPU cores
+    max_minutes: float = bounded(0.0, ge=0)   # stop (and checkpoint) after this wall time; 0 = no limit
+    stop_after_steps: int = bounded(0, ge=0)  # stop (and checkpoint) after this many steps of this invocation,
+                                              # keeping the LR schedule of max_steps (resume later); 0 = no limit
+    precision: Literal["fp32", "bf16"] = "bf16"  # bf16: autocast
     compile: bool = False
-    device: str = "auto"           # auto | cpu | cuda | cuda:N
-    seed: int = 0
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_batches: int = 16
-    ckpt_interval: int = 100
-    keep_last: int = 3
+    device: str = "auto"                      # auto | cpu | cuda | cuda:N | mps
+    seed: int = bounded(0, ge=0)
+    log_interval: int = bounded(10, ge=1)
+    eval_interval: int = bounded(100, ge=1)
+    eval_batches: int = bounded(16, ge=1)
+    ckpt_interval: int = bounded(100, ge=1)
+    keep_last: int = bounded(3, ge=0)         # checkpoints kept; 0 = all
     out_dir: str = "runs/default"
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)  # off unless every > 0
 
-    def __post_init__(self) -> None:
-        for name, cls in (("model", ModelConfig), ("data", DataConfig), ("optim", OptimConfig),
-                          ("diagnostics", DiagnosticsConfig)):
-            value = getattr(self, name)
-            if isinstance(value, dict):
-                check_fields(name, value, cls)
-                setattr(self, name, cls.from_dict(value) if cls is ModelConfig else cls(**value))
-        if isinstance(self.optim.betas, list):
-            self.optim.betas = tuple(self.optim.betas)
-        self.validate()
-
-    def validate(self) -> TrainConfig:
-        self.data.validate()
-        self.optim.validate()
-        self.diagnostics.validate()
-        for name in ("batch_size", "grad_accum", "seq_len", "log_interval", "eval_interval", "ckpt_interval"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("max_steps", "stop_after_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.precision not in PRECISIONS:
-            choices = ", ".join(map(repr, PRECISIONS))
-            raise ConfigError(f"precision={self.precision!r} is not one of {choices}")
+    def check(self) -> None:
         if self.seq_len > self.model.max_seq_len:
             raise ConfigError(f"seq_len={self.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
-        return self
+        if not DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device={self.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'")
+        if not self.out_dir.strip():
+            raise ConfigError("out_dir='' must name a run folder")
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.seq_len
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["model"] = self.model.to_dict()
-        d["optim"]["betas"] = list(self.optim.betas)
-        return d
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+    def with_overrides(self, overrides: list[str]) -> TrainConfig:
+        """A copy with ``--key=value`` overrides applied (and checked)."""
+        return TrainConfig.from_dict(TrainConfig.apply_overrides(self.to_dict(), overrides))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        if not isinstance(d, dict):
-            raise ConfigError(f"train config: expected a mapping, got {type(d).__name__}")
-        check_fields("train config", d, cls)
-        return cls(**d)
-
-    @classmethod
-    def load(cls, path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        return cls.from_dict(apply_overrides(data, overrides or []))
-
-
-def _field_type(cls: type, name: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    return hints[name]
-
-
-def _coerce(where: str, value: Any, tp: Any) -> Any:
-    """Check a parsed override against a field type (int/float/bool/str/None/tuple/dataclass)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            try:
-                return _coerce(where, value, option)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}={value!r} has the wrong type (expected {tp})")
-    if tp is type(None):
-        if value is None:
-            return None
-        raise ConfigError(f"{where}={value!r}: expected null")
-    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:
-            return float(value)  # YAML 1.1 reads "1e-3" as a string
-        except ValueError:
-            raise ConfigError(f"{where}={value!r} must be a number") from None
-    if tp in (int, float, str, bool):
-        if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
-            return value
-        raise ConfigError(f"{where}={value!r} must be of type {tp.__name__}")
-    return value  # nested dicts, tuples, placement specs: validated by the dataclasses themselves
+    def from_cli(cls, path: str | Path | None = None, overrides: list[str] | None = None,
+                 size: str | None = None) -> TrainConfig:
+        """The config of a command line: the YAML file (optional), then a model size preset (its fields
+        replace the model's, except vocab_size, which always follows the tokenizer), then the overrides."""
+        overrides = list(overrides or [])
+        data = read_file(path) if path else {}
+        if size:
+            preset = ModelConfig.preset(size)
+            preset.pop("vocab_size")
+            model = data.get("model") if isinstance(data.get("model"), dict) else _default_model().to_dict()
+            data["model"] = {**model, "moe": None, **preset}
+            user_keys = {o.lstrip("-").partition("=")[0].replace("-", "_") for o in overrides}
+            if "seq_len" not in user_keys and "seq_len" not in data:
+                data["seq_len"] = min(cls.seq_len, preset["max_seq_len"])  # the default may exceed a small preset's
+        return cls.from_data(data, overrides, source=path)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.sub=value`` strings to a config dict, checking each key against the dataclasses."""
-    data = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
-    for item in overrides:
-        key, sep, raw = item.lstrip("-").partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} must look like --key=value")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        parts = key.replace("-", "_").split(".")
-        cls: Any = TrainConfig
-        node = data
-        for i, part in enumerate(parts):
-            if not dataclasses.is_dataclass(cls):
-                raise ConfigError(f"override {key!r}: {'.'.join(parts[:i])} has no sub-fields")
-            names = {f.name for f in dataclasses.fields(cls)}
-            if part not in names:
-                where = ".".join(parts[:i]) or "train config"
-                raise ConfigError(f"override {key!r}: {where} has no field {part!r}; valid fields: "
-                                  f"{', '.join(sorted(names))}")
-            tp = _field_type(cls, part)
-            if i == len(parts) - 1:
-                node[part] = _coerce(key, value, tp)
-            else:
-                if not isinstance(node.get(part), dict):
-                    node[part] = TrainConfig().to_dict()[part] if i == 0 else {}
-                node = node[part]
-                cls = next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
-    return data
+    """``data`` (a train-config dict) with ``--key=value`` overrides applied; see :class:`Config`."""
+    return TrainConfig.apply_overrides(data, overrides)

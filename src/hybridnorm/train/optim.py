@@ -11,36 +11,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from hybridnorm.config_base import Config, bounded
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.norms import Norm
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 3e-4
+class OptimConfig(Config):
+    SECTION: ClassVar[str] = "optim"
+    lr: float = bounded(3e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    eps: float = bounded(1e-8, ge=0)
+    weight_decay: float = bounded(0.1, ge=0)
     decay_norms: bool = True
     decay_embeddings: bool = False
-    grad_clip: float = 1.0                 # 0 disables clipping
-    warmup_steps: int = 2000
-    min_lr_ratio: float = 0.1              # cosine decays to lr * min_lr_ratio
+    grad_clip: float = bounded(1.0, ge=0)            # 0 disables clipping
+    warmup_steps: int = bounded(2000, ge=0)
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # cosine decays to lr * min_lr_ratio
 
-    def validate(self, where: str = "optim") -> None:
-        if not self.lr > 0:
-            raise ConfigError(f"{where}.lr={self.lr} must be > 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"{where}.betas={self.betas} must be two numbers in [0, 1)")
-        for name in ("eps", "weight_decay", "grad_clip", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{where}.{name}={getattr(self, name)} must be >= 0")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"{where}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+    def check(self) -> None:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:

@@ -1,0 +1,318 @@
+"""The one config mechanism: typed dataclass fields, checked in one place.
+
+Every config section (``ModelConfig``, ``OptimConfig``, ``TrainConfig`` …) is a dataclass deriving from
+:class:`Config`. Its type hints ARE the schema: on construction each field is checked against its hint
+(``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` choices, ``X | None``, ``tuple[...]``, a nested
+section), then against the bounds declared with :func:`bounded`, then the section's own cross-field
+``check()``. So a wrong value anywhere — a YAML file, a ``--key=value`` override, a Python call — fails
+the same way: one :class:`~hybridnorm.errors.ConfigError` naming the dotted field and what it accepts.
+
+Only YAML's *safe* loader ever reads config text (no tags that build objects, no ``eval``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import operator
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from hybridnorm.errors import ConfigError
+
+C = TypeVar("C", bound="Config")
+_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None) -> Any:
+    """A numeric field with its valid range, e.g. ``batch_size: int = bounded(16, ge=1)``."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    return dataclasses.field(default=default, metadata={"bounds": bounds})
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def check_fields(where: str, d: dict[str, Any], cls: type) -> None:
+    """Refuse keys that are not fields of the dataclass ``cls``, naming the valid ones."""
+    names = field_names(cls)
+    for key in d:
+        if key not in names:
+            raise ConfigError(f"{where}: unknown field {key!r}; valid fields: {', '.join(sorted(names))}")
+
+
+def describe(tp: Any) -> str:
+    """What a type hint accepts, in words, for error messages."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(a) for a in args)
+    if origin is tuple:
+        return f"a list of {len(args)}" if args[-1] is not Ellipsis else "a list"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return f"a section with fields {', '.join(field_names(tp))}"
+    return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def coerce(where: str, value: Any, tp: Any) -> Any:
+    """``value`` checked against the type hint ``tp`` (and converted where lossless: an int or a numeric
+    string to float, a list to tuple, a mapping to a dataclass); ConfigError naming ``where`` otherwise."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in args:  # in declaration order: `float | str` tries the number first
+            if option is type(None):
+                continue
+            if isinstance(value, dict) and dataclasses.is_dataclass(option):
+                return coerce(where, value, option)  # a mapping is meant as this section: its own error
+            try:
+                return coerce(where, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+    if origin is Literal:
+        if value in args and type(value) in {type(a) for a in args}:  # True is not 1
+            return value
+        raise ConfigError(f"{where}={value!r} is not {describe(tp)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+        if args and args[-1] is Ellipsis:
+            return tuple(coerce(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+        return tuple(coerce(f"{where}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return from_mapping(tp, value, where)
+        raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{where}={value!r} must be a finite number") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}={value!r} must be a finite number")
+            return float(value)
+        raise ConfigError(f"{where}={value!r} must be a finite number")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():  # 1e3 in YAML is a float
+            return int(value)
+        raise ConfigError(f"{where}={value!r} must be an integer")
+    if tp in (bool, str):
+        if isinstance(value, tp):
+            return value
+        raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+    if tp is Any or tp is dict or typing.get_origin(tp) is dict:
+        return value
+    raise TypeError(f"config field {where}: unsupported type hint {tp!r}")  # a bug in a config class
+
+
+def check_bounds(where: str, value: Any, bounds: dict[str, float]) -> None:
+    if value is None:  # an optional field left unset
+        return
+    if not all(_BOUNDS[k][0](value, bound) for k, bound in bounds.items()):
+        rule = " and ".join(f"{_BOUNDS[k][1]} {bound:g}" for k, bound in bounds.items())
+        raise ConfigError(f"{where}={value!r} must be {rule}")
+
+
+def from_mapping(cls: type, d: Any, where: str) -> Any:
+    """Build the dataclass ``cls`` from a mapping: unknown keys refused, every field type-checked."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where or 'config'}: expected a section (mapping of fields), got "
+                          f"{type(d).__name__} {d!r}")
+    check_fields(where or "config", d, cls)
+    hints = _hints(cls)
+    own = isinstance(cls, type) and issubclass(cls, Config) and where == cls.SECTION
+    kwargs = {k: coerce(cls.label(k) if own else _join(where, k), v, hints[k]) for k, v in d.items()}
+    return cls(**kwargs)
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _plain(value: Any) -> Any:
+    """Builtins only (dicts, lists, numbers, strings): what YAML/JSON round-trip."""
+    if isinstance(value, Config):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value) and hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class Config:
+    """Base of every config section. Subclasses are ``@dataclass`` es; ``SECTION`` is their dotted name
+    in the train config ("" at the top), so messages read like the overrides a user types."""
+
+    SECTION: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def check(self) -> None:
+        """Cross-field rules of this section (override; raise ConfigError)."""
+
+    @classmethod
+    def label(cls, name: str) -> str:
+        """How messages name the field ``name``: its dotted override path."""
+        return _join(cls.SECTION, name)
+
+    def validate(self: C) -> C:
+        """Type-check and range-check every field, then the section's ``check()``."""
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            where = self.label(f.name)
+            value = coerce(where, getattr(self, f.name), hints[f.name])  # a mapping becomes its section
+            object.__setattr__(self, f.name, value)
+            check_bounds(where, value, f.metadata.get("bounds", {}))
+        self.check()
+        return self
+
+    # -- dicts, YAML, JSON, files ----------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls: type[C], d: Any) -> C:
+        return from_mapping(cls, d, cls.SECTION)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
+
+    @classmethod
+    def from_yaml(cls: type[C], text: str) -> C:
+        return cls.from_dict(parse_text(text, "yaml"))
+
+    @classmethod
+    def from_json(cls: type[C], text: str) -> C:
+        return cls.from_dict(parse_text(text, "json"))
+
+    @classmethod
+    def load(cls: type[C], path: str | Path, overrides: list[str] | None = None) -> C:
+        """Read a ``.yaml``/``.yml``/``.json`` file, then apply ``--key=value`` overrides."""
+        return cls.from_data(read_file(path), overrides, source=path)
+
+    @classmethod
+    def from_data(cls: type[C], data: dict[str, Any], overrides: list[str] | None = None,
+                  source: str | Path | None = None) -> C:
+        """``data`` (read from the file ``source``) with the overrides applied. An error names the file
+        when the fault lies in it, i.e. when the file's own data is invalid too."""
+        try:
+            return cls.from_dict(cls.apply_overrides(data, overrides or []))
+        except ConfigError:
+            if source is None:
+                raise
+            try:
+                cls.from_dict(data)
+            except ConfigError as in_file:
+                raise ConfigError(f"config file {source}: {in_file}") from None
+            raise
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.write_text(self.to_json() if path.suffix == ".json" else self.to_yaml(), encoding="utf-8")
+
+    # -- dotted overrides ------------------------------------------------------------------------
+
+    @classmethod
+    def apply_overrides(cls, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+        """``data`` with ``key.sub=value`` strings applied. Each key is checked against the fields (a typo
+        names the valid ones); a value is read with YAML's safe loader, except for string fields, which
+        take the text as typed (``--out_dir=123`` is a folder named 123)."""
+        data = json.loads(json.dumps(data))  # a deep copy of plain data
+        for item in overrides:
+            key, sep, raw = item.lstrip("-").partition("=")
+            if not sep:
+                raise ConfigError(f"option {item!r} needs a value: write --{key}=VALUE")
+            parts = key.replace("-", "_").split(".")
+            section: Any = cls
+            node = data
+            for i, part in enumerate(parts):
+                here = ".".join(parts[:i]) or "train config"
+                if section is None:
+                    raise ConfigError(f"option --{key}: {here} has no sub-fields")
+                check_fields(f"option --{key}: {here}", {part: None}, section)
+                tp = _hints(section)[part]
+                if i == len(parts) - 1:
+                    node[part] = _parse_value(raw, tp)
+                    break
+                if not isinstance(node.get(part), dict):  # a missing (or null) section: its defaults + this field
+                    node[part] = _default_of(section, part)
+                node = node[part]
+                section = next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+        return data
+
+
+def _default_of(section: type, name: str) -> dict[str, Any]:
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return value.to_dict() if isinstance(value, Config) else {}
+
+
+def _parse_value(raw: str, tp: Any) -> Any:
+    if tp is str or (typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp))):
+        return raw
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def parse_text(text: str, kind: str) -> Any:
+    try:
+        return json.loads(text) if kind == "json" else yaml.safe_load(text)  # safe: no object-building tags
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config is not valid {kind}: {e}") from None
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A config file's contents as a dict (an empty file is ``{}``); ConfigError naming the file otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    try:
+        data = parse_text(text, "json" if path.suffix == ".json" else "yaml")
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of fields at the top, got {type(data).__name__}")
+    return data

@@ -1,0 +1,111 @@
+"""``hybridnorm eval``: which evaluations a request asks for, run on one checkpoint, printed as one table.
+
+Without ``mc``/``text``/``tasks``: the validation loss and perplexity of the run's corpus (or ``data``).
+With them: zero-shot multiple choice, document perplexity and lm-eval tasks, in that order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridnorm.config_base import Config, bounded
+from hybridnorm.errors import ConfigError
+from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
+from hybridnorm.train.load import Run, evaluate_run, load_run
+
+
+@dataclass
+class EvalRequest(Config):
+    """The options of ``hybridnorm eval`` (field names are the CLI's, with ``_`` for ``-``)."""
+
+    checkpoint: str
+    data: str | None = None            # corpus of the validation loss (default: the run's own)
+    batches: int = bounded(50, ge=1)
+    batch_size: int = bounded(8, ge=1)
+    seq_len: int | None = bounded(None, ge=1)
+    mc: str | None = None              # HellaSwag-style JSONL
+    text: str | None = None            # .txt/.jsonl file, folder, or 'kjv'
+    tasks: str | None = None           # comma-separated lm-eval tasks
+    include_path: str | None = None
+    limit: int | None = bounded(None, ge=1)
+    num_fewshot: int | None = bounded(None, ge=0)
+    device: str | None = None
+    output: str | None = None          # also write the results as JSON
+    debug: bool = False                # keep lm-eval's own warnings
+
+    @classmethod
+    def label(cls, name: str) -> str:
+        return f"--{name.replace('_', '-')}"  # as typed on the command line
+
+    def check(self) -> None:
+        if not self.tasks and (self.include_path or self.num_fewshot is not None):
+            raise ConfigError("--include-path and --num-fewshot only apply to lm-eval tasks (--tasks a,b)")
+        if not (self.mc or self.text or self.tasks) and self.limit is not None:
+            raise ConfigError("--limit only applies to --mc and --tasks")
+        if self.tasks is not None and not task_names(self.tasks):
+            raise ConfigError(f"--tasks must be a comma-separated list, got {self.tasks!r}")
+
+
+def task_names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def run_eval(req: EvalRequest) -> dict[str, Any]:
+    """Run what ``req`` asks for, print it, write ``req.output`` if set; returns the results dict."""
+    run = load_run(req.checkpoint)
+    if not (req.mc or req.text or req.tasks):
+        return _validation_loss(run, req)
+    if req.device:
+        import torch
+
+        try:
+            run.model.to(torch.device(req.device))
+        except (RuntimeError, AssertionError) as e:  # a malformed name, or CUDA not built in / not present
+            raise ConfigError(f"--device={req.device!r}: {e}") from None
+    rows: list = []
+    notes: list[str] = []
+    out: dict[str, Any] = {"checkpoint": str(run.checkpoint)}
+    if req.mc:
+        from hybridnorm.eval.multiple_choice import evaluate_mc
+
+        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=req.batch_size, limit=req.limit)
+        rows += mc_rows(mc, f"mc:{Path(req.mc).name}")
+        out["mc"] = mc.to_dict(per_item=True)
+    if req.text:
+        from hybridnorm.eval.perplexity import perplexity_of_run
+
+        ppl = perplexity_of_run(run, req.text, batch_size=req.batch_size)
+        rows += perplexity_rows(ppl, f"text:{Path(req.text).name}")
+        notes.append(f"text: {ppl.n_docs:,} documents, {ppl.n_tokens:,} tokens, {ppl.n_bytes:,} bytes, "
+                     f"{ppl.n_words:,} words")
+        out["text"] = ppl.to_dict()
+    if req.tasks:
+        from hybridnorm.eval.lm_eval_adapter import metric_rows, run_lm_eval
+
+        if not req.debug:  # lm-eval's per-task warnings would bury the table (and a one-line error)
+            logging.getLogger("lm_eval").setLevel(logging.ERROR)
+        res = run_lm_eval(run, task_names(req.tasks), include_path=req.include_path, limit=req.limit,
+                          num_fewshot=req.num_fewshot, batch_size=req.batch_size)
+        rows += metric_rows(res)
+        out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
+    print_results(rows, f"{run.checkpoint}", notes)
+    if req.output:
+        print(f"results: {write_json(req.output, out)}")
+    return out
+
+
+def _validation_loss(run: Run, req: EvalRequest) -> dict[str, Any]:
+    loss, n_tokens = evaluate_run(run, req.data, batch_size=req.batch_size, seq_len=req.seq_len,
+                                  max_batches=req.batches)
+    source = req.data or run.config.data.source
+    print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
+          f"of {source}")
+    out = {"checkpoint": str(run.checkpoint),
+           "val": {"source": source, "loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens}}
+    if req.output:
+        write_json(req.output, out)
+    return out
