@@ -21,6 +21,7 @@ train: install
 test: install-dev
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m hybridnorm.placements.docs --check docs/placements.md
+	$(PY) -m hybridnorm.experiments.claims --check docs/results
 	$(PY) -m pytest tests
 
 bench: install-dev

@@ -20,3 +20,6 @@ hybridnorm sweep --placements pre,hybridnorm,hybridnorm_star,post_shifted --init
 hybridnorm sweep --placements pre,hybridnorm,hybridnorm_star,post_shifted --init megatron \
   --axis depth=12,24,48 --seeds 0,1,2 --warmup-frac 0.2 --max-steps 1000 --baseline pre \
   --out "$OUT/B_depth" "${COMMON[@]}" --optim.lr=1e-3 "$@"
+
+# The claim table of README.md, derived from both studies' runs.json (CI checks it is current).
+python -m hybridnorm.experiments.claims .
