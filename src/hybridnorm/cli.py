@@ -118,11 +118,10 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
+    from hybridnorm.nn.model import check_generate_args
     from hybridnorm.train.load import load_run
 
-    for name in ("max_new_tokens", "temperature", "top_k"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0")
+    check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before minutes of loading
     run = load_run(args.checkpoint)
     gen = torch.Generator().manual_seed(args.seed)
     ids = run.tokenizer.encode(args.prompt) or [run.tokenizer.eot_id]
@@ -229,7 +228,7 @@ def _import(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.hf.export import import_hf
     from hybridnorm.train.load import load_run
 
-    run = load_run(import_hf(args.hf_dir, args.out))
+    run = load_run(import_hf(args.hf_dir, args.out, allow_pickle=args.allow_pickle))
     mc = run.config.model
     print(f"imported {args.hf_dir} -> {run.run_dir}: placement {mc.resolved_placement().name}, "
           f"{run.model.num_params() / 1e6:.2f}M parameters; use it with `hybridnorm generate|eval|export "
@@ -347,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("hf_dir", help="folder with config.json, weights and tokenizer.json (Llama, Qwen3, OLMo-2, "
                                   "Mixtral, Qwen3-MoE, OLMoE, FlexOlmo or hybridnorm's own)")
     i.add_argument("--out", required=True, help="new run folder")
+    i.add_argument("--allow-pickle", action="store_true",
+                   help="read pickle weights (pytorch_model.bin, *.pt) with torch.load(weights_only=True) when "
+                        "the folder has no safetensors; refused by default: unpickling can run code")
     i.set_defaults(func=_import)
 
     p = sub.add_parser("placements", parents=[common], help="list placement presets with their equations")
@@ -366,10 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         warnings.formatwarning = lambda message, *_a, **_k: f"warning: {message}\n"
     try:
         return args.func(args, extra)
-    except (ConfigError, FileNotFoundError, UnicodeDecodeError, ValueError) as e:
+    except (ConfigError, OSError, UnicodeDecodeError, ValueError) as e:  # OSError: any path we cannot use
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, whatever the message
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted: checkpoints are saved; run the same command again to continue", file=sys.stderr)

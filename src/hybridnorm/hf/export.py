@@ -5,7 +5,8 @@ computes exactly the same function (:func:`hybridnorm.hf.stock.match_stock`), so
 Llama/Qwen3/OLMo-2/... run, else our own ``HybridNormForCausalLM`` (loaded after ``import hybridnorm.hf``,
 or with ``trust_remote_code=True`` through a two-line shim module saved in the folder). The tokenizer is
 saved as a ``PreTrainedTokenizerFast``. Import turns a stock (or our own) folder back into a run folder
-that ``hybridnorm generate|eval|export`` and ``hybridnorm train --resume`` (fine-tuning) accept.
+that ``hybridnorm generate|eval|export`` and ``hybridnorm train --resume`` (fine-tuning) accept. What a
+foreign folder may hold before ``transformers`` reads it (no code, no pickles) is :mod:`hybridnorm.hf.folder`.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from hybridnorm.config import ModelConfig
 from hybridnorm.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
-from hybridnorm.hf import stock
+from hybridnorm.hf import folder, stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
+from hybridnorm.train.preflight import check_fits, check_run_fits, check_writable_dir
 from hybridnorm.train.run import Run, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,8 +79,8 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
         raise ConfigError(f"--arch={arch!r} is not one of {', '.join(ARCH_CHOICES)}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
+    out = check_writable_dir(out_dir, "export folder")
+    if out.exists() and _non_empty(out):
         raise ConfigError(f"export folder {out} exists and is not empty")
     mc = model.config
     match, reason = stock.match_stock(mc)
@@ -103,44 +105,68 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
             reason = f"--arch={MODEL_TYPE} asked for hybridnorm's own class ({reason})"
     hf = hf.to(DTYPES[dtype])
     cfg.dtype = DTYPES[dtype]
-    out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(out)
-    if tokenizer is not None:
-        hf_tokenizer(tokenizer).save_pretrained(out)
-    if not is_stock:
-        (out / SHIM).write_text(
-            "# hybridnorm's own HF class, for from_pretrained(..., trust_remote_code=True).\n"
-            "# Needs `pip install 'hybridnorm[hf]'`; `import hybridnorm.hf` registers it without this file.\n"
-            "from hybridnorm.hf.modeling import HybridNormConfig, HybridNormForCausalLM  # noqa: F401\n",
+    try:  # checked writable above; a disk that fills up or a folder changed meanwhile still fails here
+        out.mkdir(parents=True, exist_ok=True)
+        hf.save_pretrained(out)
+        if tokenizer is not None:
+            hf_tokenizer(tokenizer).save_pretrained(out)
+        if not is_stock:
+            (out / SHIM).write_text(
+                "# hybridnorm's own HF class, for from_pretrained(..., trust_remote_code=True).\n"
+                "# Needs `pip install 'hybridnorm[hf]'`; `import hybridnorm.hf` registers it without this file.\n"
+                "from hybridnorm.hf.modeling import HybridNormConfig, HybridNormForCausalLM  # noqa: F401\n",
+                encoding="utf-8")
+        (out / "hybridnorm_export.json").write_text(json.dumps({
+            "class": class_name, "stock": is_stock, "reason": reason,
+            "placement": mc.resolved_placement().to_dict(), "source": source}, indent=1, default=str),
             encoding="utf-8")
-    (out / "hybridnorm_export.json").write_text(json.dumps({
-        "class": class_name, "stock": is_stock, "reason": reason, "placement": mc.resolved_placement().to_dict(),
-        "source": source}, indent=1, default=str), encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"export folder {out}: cannot write: {folder.one_line(e)}") from None
     return ExportResult(out, class_name, is_stock, reason)
+
+
+def _non_empty(path: Path) -> bool:
+    try:
+        return any(path.iterdir())
+    except OSError as e:
+        raise ConfigError(f"cannot list {path}: {folder.one_line(e)}") from None
 
 
 def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype: str = "float32") -> ExportResult:
     """Export a run folder (its newest good checkpoint), one ``checkpoints/step_*`` folder or a local HF
     folder (to another architecture or dtype)."""
-    run = load_hf_run(path) if is_hf_folder(path) else open_run(path)
+    check_writable_dir(out_dir, "export folder")  # before minutes of loading, not after
+    if is_hf_folder(path):
+        run = load_hf_run(path)
+    else:
+        check_run_fits(path, copies=2)  # the run's model, then the export class's copy of it
+        run = open_run(path)
     return export_model(run.model, out_dir, run.tokenizer, arch=arch, dtype=dtype, source=str(run.checkpoint))
 
 
-def load_hf(path: str | Path) -> tuple[TransformerLM, str]:
-    """A local HF folder (stock class or ours) -> (TransformerLM in fp32 with its weights, model_type)."""
+def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM, str]:
+    """A local HF folder (stock class or ours) -> (TransformerLM in fp32 with its weights, model_type).
+
+    Everything :mod:`hybridnorm.hf.folder` refuses is refused before ``transformers`` reads a byte: code
+    (``auto_map``), an unsupported ``model_type``, pickle weights without ``allow_pickle``. Then the
+    model's size is checked against the free memory, and only then are weights read."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
-    try:
-        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {path / 'config.json'}: {e}") from None
-    if cfg.model_type != MODEL_TYPE:
-        mc, arch = stock.from_hf_config(cfg)  # refuses what our model cannot express, before any weights load
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    except Exception as e:  # safetensors, OSError, shape mismatches: all mean a broken folder
-        raise ConfigError(f"cannot load the weights in {path}: {type(e).__name__}: {e}") from None
+    raw = folder.read_config(path)
+    cfg = folder.build_config(path, raw)
+    if cfg.model_type == MODEL_TYPE:
+        mc, copies = cfg.model_config(), 1
+    else:
+        try:  # refuses what our model cannot express, before any weights load
+            mc, arch = stock.from_hf_config(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{path / 'config.json'}: {e}") from None
+        except Exception as e:  # a field of the wrong kind that the config class let through
+            raise ConfigError(f"{path / 'config.json'}: {type(e).__name__}: {folder.one_line(e)}") from None
+        copies = 2  # the HF model, then our TransformerLM built from its state dict
+    weights = folder.find_weights(path, allow_pickle=allow_pickle)
+    check_fits(mc, "cpu", training=False, copies=copies + (weights.kind == "pickle"),
+               what=f"the model in {path}")
+    hf = folder.load_model(path, cfg, weights)
     if cfg.model_type == MODEL_TYPE:
         model = hf.model
     else:
@@ -149,7 +175,7 @@ def load_hf(path: str | Path) -> tuple[TransformerLM, str]:
     return model.eval(), cfg.model_type
 
 
-def load_hf_run(path: str | Path) -> Run:
+def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     """A local HF folder as a :class:`~hybridnorm.train.run.Run` (model, tokenizer, a TrainConfig whose
     tokenizer is the folder's), so ``hybridnorm generate|eval`` take HF folders as they take runs."""
     path = Path(path)
@@ -158,7 +184,7 @@ def load_hf_run(path: str | Path) -> Run:
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise ConfigError(f"{path} has no tokenizer.json (a fast tokenizer is needed to use the model)")
-    model, _ = load_hf(path)
+    model, _ = load_hf(path, allow_pickle=allow_pickle)
     tokenizer = load_tokenizer(tok_file)
     mc: ModelConfig = model.config
     if tokenizer.vocab_size > mc.embedding_size:
@@ -171,17 +197,22 @@ def load_hf_run(path: str | Path) -> Run:
     return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer)
 
 
-def import_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000)."""
-    out = Path(out_dir)
+def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False) -> Path:
+    """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000).
+    ``allow_pickle``: read pickle weights (only) with ``torch.load(weights_only=True)``; the run folder
+    written holds safetensors, so nothing downstream unpickles again."""
+    out = check_writable_dir(out_dir, "run folder (--out)")
     if (out / "checkpoints").exists():
         raise ConfigError(f"{out} already holds a run (checkpoints/); choose a new folder")
-    run = load_hf_run(path)
-    out.mkdir(parents=True, exist_ok=True)
-    run.tokenizer.save(out)
+    run = load_hf_run(path, allow_pickle=allow_pickle)
     cfg = run.config
-    cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
-    (out / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
-    opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
-    save_checkpoint(out / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        run.tokenizer.save(out)
+        cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
+        (out / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+        opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
+        save_checkpoint(out / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
+    except OSError as e:
+        raise ConfigError(f"run folder {out}: cannot write: {folder.one_line(e)}") from None
     return out

@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridnorm.errors import ConfigError
 from hybridnorm.nn.attention import KVCache
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import init_weights
@@ -125,18 +128,28 @@ class TransformerLM(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
-        """Sample continuations with a KV cache; ``temperature=0`` is greedy. Returns (B, T + new)."""
+        """Sample continuations with a KV cache; ``temperature=0`` is greedy, ``top_k`` None or 0 samples from
+        the whole vocabulary. Returns (B, T + new). Arguments out of range raise ConfigError up front
+        (:func:`check_generate_args`), as does a prompt + continuation longer than ``max_seq_len``."""
+        check_generate_args(max_new_tokens, temperature, top_k)
         B, T = input_ids.shape
+        if T < 1 or T + max_new_tokens > self.config.max_seq_len:
+            raise ConfigError(f"a prompt of {T} tokens + max_new_tokens={max_new_tokens} must be 1 to "
+                              f"max_seq_len={self.config.max_seq_len} tokens")
         cache = self.new_cache(B, min(self.config.max_seq_len, T + max_new_tokens))
         logits = self(input_ids, cache=cache)[:, -1]
         out = [input_ids]
+        # a temperature that rounds to 0 in fp32 (the logits' dtype here) is the T -> 0 limit: greedy
+        greedy = temperature < torch.finfo(torch.float32).tiny
         for i in range(max_new_tokens):
             logits = logits[:, : self.config.vocab_size].float()  # never sample padding rows
-            if temperature == 0:
+            if greedy:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
-                if top_k is not None:
+                # shifted so the largest logit is 0 before dividing: a small temperature then sends the others
+                # to -inf instead of every logit to ±inf and the softmax to NaN
+                logits = (logits - logits.amax(-1, keepdim=True)) / temperature
+                if top_k:
                     kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
@@ -144,6 +157,24 @@ class TransformerLM(nn.Module):
             if i + 1 < max_new_tokens:
                 logits = self(nxt, cache=cache)[:, -1]
         return torch.cat(out, dim=1)
+
+
+def check_generate_args(max_new_tokens: int, temperature: float, top_k: int | None = None,
+                        seed: int | None = None) -> None:
+    """ConfigError naming the first argument of :meth:`TransformerLM.generate` (and the seed of its
+    generator) that is out of range; NaN and infinities are out of every range."""
+    def integer(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not integer(max_new_tokens) or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
+    if top_k is not None and (not integer(top_k) or top_k < 0):
+        raise ConfigError(f"top_k={top_k!r} must be an integer >= 0 (0: no limit)")
+    if seed is not None and (not integer(seed) or not 0 <= seed < 2**64):
+        raise ConfigError(f"seed={seed!r} must be an integer from 0 to 2**64 - 1")
 
 
 def _padding_mask(attention_mask: Tensor, start: int, T: int) -> Tensor:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridnorm.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -25,11 +27,27 @@ class Dist:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` (this rank's GPU) | ``cuda:N`` | ``mps`` -> a device that exists here, or a
+    ConfigError naming it: found now, not as a traceback when the first tensor moves."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        name = f"cuda:{local_rank}"
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"device={name!r} is not a device: {e}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"device={name!r}: CUDA is not available ({why}); use --device=cpu or auto")
+        index = local_rank if device.index is None else device.index
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError(f"device={name!r}: there is no cuda:{index}; this machine has {count} CUDA "
+                              f"device(s), cuda:0..cuda:{count - 1}")
+        return torch.device("cuda", index)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={name!r}: MPS (Apple GPU) is not available here; use --device=cpu or auto")
+    return device
 
 
 def init_distributed(device: torch.device) -> Dist:

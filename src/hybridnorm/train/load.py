@@ -15,6 +15,7 @@ import torch
 from hybridnorm.data import prepare_data, val_batches
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import lm_loss
+from hybridnorm.train.preflight import check_run_fits
 from hybridnorm.train.run import Run, is_hf_folder, open_run
 
 __all__ = ["Run", "evaluate_run", "load_run"]
@@ -33,6 +34,7 @@ def load_run(path: str | Path) -> Run:
             raise ConfigError(f"{path} is a Hugging Face model folder: reading it needs transformers "
                               "(pip install 'hybridnorm[hf]')") from None
         return load_hf_run(path)
+    check_run_fits(path)  # from config.yaml, before the model is allocated
     return open_run(path)
 
 

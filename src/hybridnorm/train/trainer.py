@@ -53,6 +53,7 @@ from hybridnorm.train.distributed import (
 from hybridnorm.train.flops import flops_per_token, measured_peak_flops
 from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, lr_at, set_lr
+from hybridnorm.train.preflight import check_fits
 
 
 @dataclass
@@ -143,6 +144,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
     train_tokens, val_tokens = data.train_tokens(), data.val_tokens()
 
     torch.manual_seed(cfg.seed)
+    check_fits(cfg.model, device, training=True, what=f"training this model on {device}")
     model = TransformerLM(cfg.model).to(device)
     optimizer = build_optimizer(model, cfg.optim)
     batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,

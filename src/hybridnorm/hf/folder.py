@@ -1,0 +1,223 @@
+"""What a local Hugging Face folder may contain before any of it reaches ``transformers``.
+
+A folder given to ``hybridnorm import|generate|eval|export`` is foreign input, and ``transformers`` can be
+made to run code from it: a ``config.json`` with an ``auto_map`` names a ``.py`` file in the folder, and
+unless ``trust_remote_code`` is passed explicitly ``transformers`` asks on stdin whether to run it. A
+pickle weight file (``pytorch_model.bin``, ``*.pt`` ...) can run code when unpickled. So this module reads
+the folder itself first, and only what passes goes on:
+
+- ``config.json`` is parsed here as plain JSON: a mapping whose ``model_type`` is one hybridnorm imports;
+  an ``auto_map`` anywhere in it is refused (the one exception: the exact map ``hybridnorm export`` writes
+  for its own class, which is then dropped: the installed class is used, never the folder's file); a
+  ``quantization_config`` is refused (it loads quantizer back ends, and hybridnorm has no quantized layers);
+  attention/expert implementation keys, which may name kernels to fetch, are dropped.
+- The config object is built from that dict by the *concrete* class of the model type, and the weights are
+  loaded by the concrete model class, with ``trust_remote_code=False``: no ``Auto*`` factory ever sees the
+  folder, so no ``auto_map`` is consulted and nothing is ever asked on stdin.
+- Weights: safetensors only (``use_safetensors=True``; a sharded index must name files inside the folder).
+  A folder with only pickle weights is refused, naming the file and ``--allow-pickle``; with that opt-in the
+  file is read here with ``torch.load(weights_only=True)``, which builds tensors and containers only, and
+  the resulting state dict is handed to ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hybridnorm.errors import ConfigError
+from hybridnorm.hf import stock
+from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
+
+CONFIG_MAX_BYTES = 16 << 20  # real configs are a few KB; a bigger file is not worth parsing
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+ALLOW_PICKLE_FLAG = "--allow-pickle"
+# What `hybridnorm export` writes for its own class (for other people's trust_remote_code=True loads).
+OWN_AUTO_MAP = {"AutoConfig": "modeling_hybridnorm.HybridNormConfig",
+                "AutoModelForCausalLM": "modeling_hybridnorm.HybridNormForCausalLM"}
+# Dropped, not refused: they choose kernels (possibly hub-hosted code), never the numbers we copy out.
+IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation", "_attn_implementation",
+                       "_attn_implementation_internal", "_experts_implementation_internal")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def one_line(text: object) -> str:
+    """A message on one line: the CLI prints every error as exactly one ``error:`` line, and messages from
+    torch / transformers span several."""
+    return " ".join(str(text).split())
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return (MODEL_TYPE, *stock.BY_TYPE)
+
+
+def _find_key(obj: Any, key: str, where: str = "") -> str | None:
+    """The dotted location of ``key`` anywhere in nested dicts/lists, or None."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            here = f"{where}.{k}" if where else str(k)
+            if k == key:
+                return here
+            if (found := _find_key(v, key, here)) is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            if (found := _find_key(v, key, f"{where}[{i}]")) is not None:
+                return found
+    return None
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """``path/config.json`` as a dict that is safe to give to a config class (see the module docstring);
+    a ConfigError naming the file and the field otherwise."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{Path(path)} is not a Hugging Face model folder (no config.json)")
+    try:
+        if file.stat().st_size > CONFIG_MAX_BYTES:
+            raise ConfigError(f"{file} is {file.stat().st_size:,} bytes; a model config is at most "
+                              f"{CONFIG_MAX_BYTES:,}")
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except ConfigError:
+        raise
+    except (OSError, ValueError, RecursionError) as e:  # unreadable, not UTF-8, not JSON, nested too deep
+        raise ConfigError(f"cannot read {file}: {one_line(e)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object at the top, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    if model_type not in supported_model_types():
+        # checked before anything else reads the file: transformers would look for code (auto_map) or
+        # guess a type from the folder's name
+        raise ConfigError(f"{file}: model_type={model_type!r} is not one hybridnorm reads; supported: "
+                          f"{', '.join(supported_model_types())}")
+    cfg = dict(raw)
+    if model_type == MODEL_TYPE and cfg.get("auto_map") == OWN_AUTO_MAP:
+        del cfg["auto_map"]  # our own export's pointer to its shim; the installed class is used instead
+    if (where := _find_key(cfg, "auto_map")) is not None:
+        raise ConfigError(f"{file}: {where} points transformers at Python code in the folder; hybridnorm never "
+                          "runs code from a model folder (model_type names the class to use)")
+    if (where := _find_key(cfg, "quantization_config")) is not None:
+        raise ConfigError(f"{file}: {where} is set; hybridnorm reads unquantized weights only")
+    for key in IMPLEMENTATION_KEYS:
+        cfg.pop(key, None)
+    return cfg
+
+
+def build_config(path: str | Path, cfg: dict[str, Any]) -> Any:  # -> transformers.PretrainedConfig
+    """The concrete config class of ``cfg['model_type']`` built from the checked dict."""
+    model_type = cfg["model_type"]
+    cls = HybridNormConfig if model_type == MODEL_TYPE else stock.stock_config_class(stock.BY_TYPE[model_type])
+    try:
+        return cls.from_dict(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{Path(path) / 'config.json'}: {e}") from None
+    except Exception as e:  # the config classes raise TypeError/ValueError/... on values of the wrong kind
+        raise ConfigError(f"{Path(path) / 'config.json'}: {type(e).__name__}: {one_line(e)}") from None
+
+
+def model_class(model_type: str) -> type:
+    return HybridNormForCausalLM if model_type == MODEL_TYPE else stock.stock_model_class(stock.BY_TYPE[model_type])
+
+
+# -- weights ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Weights:
+    kind: str           # "safetensors" | "pickle"
+    files: list[Path]   # the files that will be read
+
+
+def _index_files(index: Path, suffix: str) -> list[Path]:
+    """The shard files a ``*.index.json`` names, each a plain file name inside the folder."""
+    try:
+        data = json.loads(index.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"cannot read {index}: {one_line(e)}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{index}: expected a non-empty 'weight_map' object")
+    names = sorted(set(weight_map.values()), key=str)
+    for name in names:
+        if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name) or not name.endswith(suffix):
+            raise ConfigError(f"{index}: shard {name!r} is not a plain *{suffix} file name in the folder")
+        if not (index.parent / name).is_file():
+            raise ConfigError(f"{index}: shard {index.parent / name} does not exist")
+    return [index.parent / n for n in names]
+
+
+def find_weights(path: str | Path, allow_pickle: bool = False) -> Weights:
+    """The weight files of a folder: safetensors if there are any (pickle files beside them are never
+    opened), else pickle files, refused unless ``allow_pickle``."""
+    path = Path(path)
+    if (path / SAFETENSORS).is_file():
+        return Weights("safetensors", [path / SAFETENSORS])
+    if (path / SAFETENSORS_INDEX).is_file():
+        return Weights("safetensors", _index_files(path / SAFETENSORS_INDEX, ".safetensors"))
+    try:
+        pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    except OSError as e:
+        raise ConfigError(f"cannot list {path}: {one_line(e)}") from None
+    if (path / PICKLE_INDEX).is_file():
+        files = _index_files(path / PICKLE_INDEX, ".bin")
+    elif (path / PICKLE).is_file():
+        files = [path / PICKLE]
+    elif len(pickles) == 1:
+        files = pickles
+    elif pickles:
+        raise ConfigError(f"{path} has no {SAFETENSORS} and several pickle files ({', '.join(p.name for p in pickles)})"
+                          ": which one holds the model is ambiguous")
+    else:
+        raise ConfigError(f"{path} has no weights: expected {SAFETENSORS} (or {SAFETENSORS_INDEX} and its shards)")
+    if not allow_pickle:
+        raise ConfigError(f"{files[0]} is a pickle file, and unpickling can run code: refused. Convert it to "
+                          f"{SAFETENSORS}, or if you trust it, `hybridnorm import {path} --out RUN "
+                          f"{ALLOW_PICKLE_FLAG}` reads it with torch.load(weights_only=True)")
+    return Weights("pickle", files)
+
+
+def load_pickle_state_dict(files: list[Path]) -> dict[str, Tensor]:
+    """The tensors of opted-in pickle files, read with ``torch.load(weights_only=True)`` only: the
+    restricted unpickler builds tensors and plain containers and refuses any other global."""
+    out: dict[str, Tensor] = {}
+    for f in files:
+        try:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # the restricted unpickler's refusals, truncated or foreign files
+            raise ConfigError(f"cannot read {f} with torch.load(weights_only=True): {type(e).__name__}: "
+                              f"{one_line(e)[:300]}") from None
+        if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in sd.items()):
+            raise ConfigError(f"{f} is not a state dict (a mapping of names to tensors): found "
+                              f"{type(sd).__name__}")
+        out.update(sd)
+    return out
+
+
+def load_model(path: str | Path, config: Any, weights: Weights) -> Any:  # -> transformers.PreTrainedModel
+    """The concrete HF model of ``config`` with the folder's weights, in fp32, no code from the folder."""
+    from transformers.utils import logging as hf_logging
+
+    path = Path(path)
+    cls = model_class(config.model_type)
+    common: dict[str, Any] = dict(config=config, dtype=torch.float32, trust_remote_code=False)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-line error stays one line; a tiny load needs no bar
+    try:
+        if weights.kind == "pickle":
+            state_dict = load_pickle_state_dict(weights.files)
+            return cls.from_pretrained(None, state_dict=state_dict, **common)
+        return cls.from_pretrained(path, local_files_only=True, use_safetensors=True, **common)
+    except ConfigError:
+        raise
+    except Exception as e:  # safetensors, OSError, shape mismatches: all mean a broken folder
+        raise ConfigError(f"cannot load the weights in {path}: {type(e).__name__}: {one_line(e)[:500]}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,176 @@
+"""Environment checks made before any work: will the model fit in memory, can the output folder be written.
+
+Both faults are knowable up front, and found late they cost a traceback, minutes of work, or worse: on CPU
+allocating a model larger than the machine ends in the kernel's OOM killer (no message at all), on a GPU in
+an out-of-memory traceback; an output path that is a file, lies under a file or is read-only fails only
+when the first file is written. So:
+
+**Memory** (:func:`check_fits`). Every place that builds a model from a config it did not create (training,
+loading a run, loading a Hugging Face folder) compares an estimate with the memory available now:
+
+- the parameter count, computed from the config's shapes (:func:`param_count`; nothing is allocated);
+- bytes per parameter: 4 for fp32 weights (every loader loads fp32; training keeps fp32 master weights
+  under bf16 autocast), plus for training 4 for the gradients and 8 for AdamW's two fp32 moments: 16;
+- times ``copies``, for loaders that hold the weights twice for a moment (file tensors + model).
+
+Activations, caches and the allocator's slack come on top, so the estimate is a lower bound: a refusal is
+certain to be right, a pass is not a promise. Available memory is ``MemAvailable`` of ``/proc/meminfo``
+(capped by a cgroup limit when one is set) on the CPU and ``torch.cuda.mem_get_info`` on CUDA; where neither
+can be read (other systems, other devices) the check is skipped rather than guessed.
+
+**Output folders** (:func:`check_writable_dir`): the path must be a folder or not exist yet, every existing
+parent a folder, and the nearest existing one writable, proven by creating and deleting a probe file (a
+read-only file system, a full quota); a folder whose permission bits deny writing to everyone is refused
+even for root, who could write anyway, because read-only is what its owner asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridnorm.errors import ConfigError
+from hybridnorm.train.config import TrainConfig
+
+FP32_BYTES = 4
+TRAIN_BYTES_PER_PARAM = 4 + 4 + 2 * 4  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq
+MEMINFO = Path("/proc/meminfo")
+# cgroup v2, then v1: a container's limit, which MemAvailable (the host's view) does not show
+CGROUP_LIMITS = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+                 (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                  Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "unlimited" as a number near 2**63
+
+
+def param_count(mc: Any) -> int:
+    """Parameters of ``TransformerLM(mc)`` from its shapes alone (``mc``: a ModelConfig). Exact for the
+    matrices; the norms' vectors are counted at their most (LayerNorm weight + bias in every slot a
+    placement may use): 3 % over at the toy ``tiny`` size, under 0.5 % from ``small`` up."""
+    d, L, H, Hkv, D = mc.d_model, mc.n_layers, mc.n_heads, mc.kv_heads, mc.head_dim
+    V = mc.embedding_size
+    attn = d * (H + 2 * Hkv) * D + H * D * d
+    if mc.moe is not None:
+        h = mc.moe.expert_hidden_size or mc.ffn_hidden_size
+        ffn = mc.moe.num_experts * 3 * d * h + mc.moe.num_experts * d  # experts' w_in (d, 2h), w_out (h, d), router
+    else:
+        ffn = 3 * d * mc.ffn_hidden_size
+    norms = 6 * 2 * d + 4 * 2 * max(H, Hkv) * D + 2  # in/out/post norms of both sublayers, Q/K/V/C norms, DyT α
+    embed = V * d * (1 if mc.tie_embeddings else 2)
+    return embed + L * (attn + ffn + norms) + 2 * 2 * d  # + embedding and final norms
+
+
+def estimate_bytes(mc: Any, *, training: bool, copies: int = 1) -> int:
+    """Bytes the model's parameters (and for training their gradients and AdamW state) occupy at least."""
+    per_param = TRAIN_BYTES_PER_PARAM if training else FP32_BYTES * copies
+    return param_count(mc) * per_param
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None  # "max" (cgroup v2, no limit) reads as None
+
+
+def _cpu_available() -> tuple[int, str] | None:
+    try:
+        lines = MEMINFO.read_text(encoding="ascii").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    avail = None
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key == "MemAvailable" and value.split() and value.split()[0].isdigit():
+            avail = int(value.split()[0]) * 1024  # reported in kB
+    if avail is None:
+        return None
+    where = f"MemAvailable in {MEMINFO}"
+    for limit_file, usage_file in CGROUP_LIMITS:
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < _NO_LIMIT and limit - usage < avail:
+            avail, where = max(limit - usage, 0), f"the cgroup limit {limit_file} less usage"
+            break
+    return avail, where
+
+
+def available_bytes(device: torch.device) -> tuple[int, str] | None:
+    """(bytes free now, where that was read) on ``device``, or None where it cannot be read."""
+    if device.type == "cpu":
+        return _cpu_available()
+    if device.type == "cuda":
+        try:
+            free, _total = torch.cuda.mem_get_info(device)
+        except (RuntimeError, AssertionError, ValueError):  # no CUDA build or driver: the device check says so
+            return None
+        return int(free), f"torch.cuda.mem_get_info({device})"
+    return None
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
+def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, copies: int = 1,
+               what: str = "the model") -> None:
+    """ConfigError if ``mc``'s parameters (plus gradients and AdamW state when ``training``) cannot fit in
+    the memory available on ``device`` now; silent where that cannot be read."""
+    device = torch.device(device)
+    need = estimate_bytes(mc, training=training, copies=copies)
+    free = available_bytes(device)
+    if free is None or need <= free[0]:
+        return
+    n = param_count(mc)
+    how = (f"{n:,} parameters x {TRAIN_BYTES_PER_PARAM} bytes (fp32 weights, gradients, AdamW's two moments)"
+           if training else f"{n:,} parameters x {FP32_BYTES} bytes (fp32)" + (f" x {copies} copies while loading"
+                                                                              if copies > 1 else ""))
+    raise ConfigError(f"{what} needs at least {_size(need)} on {device} ({how}; activations come on top) but only "
+                      f"{_size(free[0])} is available ({free[1]}); use a smaller model (model.d_model / n_layers / "
+                      "vocab) or a machine with more memory")
+
+
+def check_run_fits(path: str | Path, copies: int = 1) -> None:
+    """:func:`check_fits` for loading a run folder or a ``checkpoints/step_*`` folder on the CPU, from its
+    ``config.yaml`` and before any weights are read. A folder without a config is left to the loader,
+    which names what is wrong with it."""
+    path = Path(path)
+    run_dir = path.parent.parent if (path / "manifest.json").exists() or path.name.startswith("step_") else path
+    if not (run_dir / "config.yaml").is_file():
+        return
+    cfg = TrainConfig.load(run_dir / "config.yaml")
+    check_fits(cfg.model, "cpu", training=False, copies=copies, what=f"the model of {run_dir}")
+
+
+def check_writable_dir(path: str | Path, what: str = "output folder") -> Path:
+    """ConfigError naming ``path`` unless a folder can be created (or already is) there and written into.
+    Creates nothing: a command that fails later leaves no empty folder behind."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {path} is a file, not a folder")
+    existing = path
+    while not existing.exists():
+        if existing.is_symlink():  # a dangling link: mkdir would fail on it with a confusing message
+            raise ConfigError(f"{what} {path}: {existing} is a broken symbolic link")
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {path} lies under {existing}, which is a file, not a folder")
+    try:
+        mode = existing.stat().st_mode
+        if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(f"{what} {path}: {existing} is read-only (mode {stat.filemode(mode)})")
+        fd, probe = tempfile.mkstemp(prefix=".hybridnorm-write-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:  # EACCES, EROFS, EDQUOT, ENOSPC: say which, on one line
+        raise ConfigError(f"{what} {path}: cannot write in {existing}: {e.strerror or e}") from None
+    return path

@@ -1,0 +1,208 @@
+"""Foreign Hugging Face folders: no code from the folder ever runs, nothing is asked on stdin, and nothing is
+unpickled unless ``hybridnorm import --allow-pickle`` asks for it (then only through weights_only).
+
+The remote-code cases run the real command line in a subprocess with ``y`` waiting on stdin, the answer
+transformers' own prompt would take as consent; the marker file the folder's code would write must never
+appear. The rest call ``hybridnorm.cli.main`` in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+from safetensors.torch import load_file
+
+from hybridnorm.cli import main
+from hybridnorm.config import ModelConfig
+from hybridnorm.data.tokenizer import ByteTokenizer
+from hybridnorm.hf.export import export_model
+from hybridnorm.nn.model import TransformerLM
+from hybridnorm.train.load import load_run
+
+EVIL_CODE = """import pathlib
+pathlib.Path({marker!r}).write_text("the folder's code ran")
+from transformers import PretrainedConfig, PreTrainedModel
+class EvilConfig(PretrainedConfig):
+    model_type = {model_type!r}
+class EvilModel(PreTrainedModel):
+    config_class = EvilConfig
+"""
+
+
+def _tiny_folder(path: Path, placement: str = "pre", seed: int = 0) -> tuple[Path, TransformerLM]:
+    """A real tiny model (random init) exported as an HF folder: Llama for ``pre``, ours otherwise."""
+    torch.manual_seed(seed)
+    model = TransformerLM(ModelConfig.from_preset("tiny", placement=placement, vocab_size=257)).eval()
+    export_model(model, path, ByteTokenizer())
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TransformerLM]:
+    return _tiny_folder(tmp_path_factory.mktemp("foreign") / "llama")
+
+
+def _evil_folder(tmp_path: Path, source: Path, model_type: str) -> tuple[Path, Path]:
+    """A folder whose config.json points transformers (auto_map) at a .py file that writes a marker."""
+    evil, marker = tmp_path / "evil", tmp_path / "MARKER"
+    evil.mkdir()
+    for name in ("tokenizer.json", "model.safetensors"):
+        (evil / name).write_bytes((source / name).read_bytes())
+    cfg = {**json.loads((source / "config.json").read_text()), "model_type": model_type,
+           "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}}
+    (evil / "config.json").write_text(json.dumps(cfg))
+    (evil / "evil.py").write_text(EVIL_CODE.format(marker=str(marker), model_type=model_type))
+    return evil, marker
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("model_type", ["evil_thing", "llama"])  # unknown type, and a known type + auto_map
+@pytest.mark.parametrize("command", ["import", "generate", "eval", "export"])
+def test_remote_code_never_runs_and_stdin_is_never_read(llama_dir, tmp_path: Path, model_type: str,
+                                                       command: str) -> None:
+    evil, marker = _evil_folder(tmp_path, llama_dir[0], model_type)
+    argv = {"import": ["import", str(evil), "--out", str(tmp_path / "run")],
+            "generate": ["generate", str(evil), "--max-new-tokens", "2"],
+            "eval": ["eval", str(evil)],
+            "export": ["export", str(evil), "--to", "hf", str(tmp_path / "out")]}[command]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *argv], input="y\ny\ny\n", text=True,
+                          capture_output=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_error_line(proc.stderr)
+    assert str(evil / "config.json") in line
+    assert ("auto_map" in line) if model_type == "llama" else ("model_type='evil_thing'" in line)
+    assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
+    assert not marker.exists()
+
+
+def _import_err(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    return _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda c: c.pop("model_type"), "model_type=None"),
+    (lambda c: c.update(model_type=["llama"]), "model_type=['llama']"),
+    (lambda c: c.update(auto_map="evil.Evil"), "auto_map"),
+    (lambda c: c.update(text_config={"auto_map": {"AutoConfig": "evil.C"}}), "text_config.auto_map"),
+    (lambda c: c.update(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
+    (lambda c: c.update(hidden_size="wide"), "config.json"),
+    (lambda c: c.update(num_hidden_layers=-3), "config.json"),
+])
+def test_config_json_is_checked_before_transformers_reads_it(llama_dir, tmp_path: Path, capsys, edit,
+                                                             needle) -> None:
+    folder = tmp_path / "f"
+    folder.mkdir()
+    for f in llama_dir[0].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    line = _import_err(["import", str(folder), "--out", str(tmp_path / "r")], capsys)
+    assert needle in line and str(folder / "config.json") in line
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", "[" * 100_000, '{"model_type": "llama"'])
+def test_config_json_that_is_not_a_json_object_is_one_error(tmp_path: Path, capsys, text: str) -> None:
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "tokenizer.json").write_text("{}")
+    (tmp_path / "f" / "config.json").write_text(text)
+    assert str(tmp_path / "f" / "config.json") in _import_err(["import", str(tmp_path / "f"), "--out",
+                                                               str(tmp_path / "r")], capsys)
+
+
+def test_own_export_with_its_shim_still_loads_but_a_changed_auto_map_does_not(tmp_path: Path, capsys) -> None:
+    folder, model = _tiny_folder(tmp_path / "own", placement="hybridnorm_star")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "hybridnorm" and "auto_map" in cfg  # the shim map export writes for others
+    (folder / "modeling_hybridnorm.py").write_text("raise SystemExit('the shim must never be imported here')\n")
+    assert main(["import", str(folder), "--out", str(tmp_path / "run")]) == 0
+    x = torch.randint(0, 257, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(load_run(tmp_path / "run").model(x), model(x))
+    cfg["auto_map"]["AutoModelForCausalLM"] = "evil.EvilModel"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert "auto_map" in _import_err(["import", str(folder), "--out", str(tmp_path / "run2")], capsys)
+
+
+def _pickle_folder(tmp_path: Path, source: Path, name: str = "pytorch_model.bin") -> Path:
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (folder / f).write_bytes((source / f).read_bytes())
+    torch.save(load_file(source / "model.safetensors"), folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "weights.pth", "last.ckpt"])
+def test_pickle_weights_are_refused_by_default_naming_the_file_and_the_flag(llama_dir, tmp_path: Path, capsys,
+                                                                            name: str) -> None:
+    folder = _pickle_folder(tmp_path, llama_dir[0], name)
+    for argv in (["import", str(folder), "--out", str(tmp_path / "r")],
+                 ["generate", str(folder), "--max-new-tokens", "2"],
+                 ["export", str(folder), "--to", "hf", str(tmp_path / "x")]):
+        line = _import_err(argv, capsys)
+        assert str(folder / name) in line and "--allow-pickle" in line and "weights_only=True" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_allow_pickle_imports_a_real_tiny_model_exactly(llama_dir, tmp_path: Path, capsys) -> None:
+    folder = _pickle_folder(tmp_path, llama_dir[0])
+    assert main(["import", str(folder), "--out", str(tmp_path / "run"), "--allow-pickle"]) == 0
+    run = load_run(tmp_path / "run")
+    x = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(run.model(x), llama_dir[1](x))
+    ckpt_files = {p.suffix for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert not ckpt_files & {".bin", ".pt", ".pth", ".ckpt"}  # the run folder itself holds no pickle
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: the weights_only unpickler must refuse it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_allow_pickle_still_never_runs_a_pickles_code(llama_dir, tmp_path: Path, capsys) -> None:
+    folder = _pickle_folder(tmp_path, llama_dir[0])
+    marker = tmp_path / "MARKER"
+    torch.save({"model.embed_tokens.weight": _RunsCode(marker)}, folder / "pytorch_model.bin")
+    line = _import_err(["import", str(folder), "--out", str(tmp_path / "r"), "--allow-pickle"], capsys)
+    assert "weights_only=True" in line and str(folder / "pytorch_model.bin") in line
+    assert not marker.exists()
+
+
+def test_safetensors_win_over_pickles_and_shard_indexes_stay_in_the_folder(llama_dir, tmp_path: Path,
+                                                                          capsys) -> None:
+    folder = tmp_path / "both"
+    folder.mkdir()
+    for f in llama_dir[0].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    (folder / "training_args.bin").write_bytes(b"not even a pickle: never opened")
+    assert main(["import", str(folder), "--out", str(tmp_path / "r")]) == 0  # no flag needed: .bin never read
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "../../outside.safetensors"}}))
+    capsys.readouterr()
+    line = _import_err(["import", str(folder), "--out", str(tmp_path / "r2")], capsys)
+    assert str(index) in line and "outside.safetensors" in line
