@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,9 +50,12 @@ from hybridnorm.train.distributed import (
     resolve_device,
 )
 from hybridnorm.train.flops import flops_per_token, measured_peak_flops
+from hybridnorm.train.lock import claim_run_dir
 from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, lr_at, set_lr
 from hybridnorm.train.preflight import check_fits
+from hybridnorm.train.retention import ResumePoint, checkpoint_for_resume
+from hybridnorm.train.stop import StopFlag
 
 
 @dataclass
@@ -65,27 +67,6 @@ class TrainResult:
     unigram_entropy: float | None
     interrupted: bool = False
     diverged: bool = False
-
-
-class _StopFlag:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then saves and returns)."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._old: dict[int, object] = {}
-
-    def __enter__(self) -> _StopFlag:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # not the main thread: leave handlers alone
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.signal = signum
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def _autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -113,22 +94,32 @@ def evaluate(model: TransformerLM, tokens, cfg: TrainConfig, device: torch.devic
     return (float(total[0] / total[1]) if total[1] > 0 else float("nan")), int(total[1])
 
 
-def _check_run_dir(run_dir: Path, resume: bool) -> Path | None:
-    ckpt = latest_checkpoint(run_dir / "checkpoints") if resume else None
-    if not resume and list_checkpoints(run_dir / "checkpoints"):
-        raise ConfigError(f"run folder {run_dir} already has checkpoints: pass --resume to continue it "
-                          f"or choose another --out")
-    return ckpt
+def _check_run_dir(run_dir: Path, resume: bool, d: Dist) -> ResumePoint:
+    if not resume:
+        if list_checkpoints(run_dir / "checkpoints"):
+            raise ConfigError(f"run folder {run_dir} already has checkpoints: pass --resume to continue it "
+                              f"or choose another --out")
+        return ResumePoint(None)
+    found = checkpoint_for_resume(run_dir / "checkpoints", set_aside_bad=d.is_main)  # rank 0 moves corrupt ones
+    barrier(d)
+    return found if d.is_main else checkpoint_for_resume(run_dir / "checkpoints", set_aside_bad=False)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> TrainResult:
+    """Train ``cfg`` into ``cfg.out_dir``, which is checked and locked first (one trainer per folder)."""
     cfg.validate()
+    with claim_run_dir(cfg.out_dir, enabled=int(os.environ.get("RANK", "0")) == 0):  # rank 0 writes the folder
+        return _train(cfg, resume=resume, quiet=quiet)
+
+
+def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
     d = init_distributed(device)
     if device.type == "cpu" and d.enabled:  # share the cores between the local processes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     run_dir = Path(cfg.out_dir)
-    ckpt = _check_run_dir(run_dir, resume)
+    found = _check_run_dir(run_dir, resume, d)
+    ckpt = found.path
 
     # Data: rank 0 tokenizes into the shared cache while the others wait, then everyone maps the files.
     if d.is_main:
@@ -171,6 +162,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
                          "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
                          "train_tokens_available": len(train_tokens), "val_tokens_available": len(val_tokens)},
             "meta")
+    for moved in found.set_aside:  # corrupt checkpoints skipped by --resume: moved, never deleted
+        log.log(state.step, {"event": "corrupt_checkpoint_set_aside", "checkpoint": str(moved.checkpoint),
+                             "moved_to": str(moved.moved_to), "reason": moved.reason}, "event")
 
     step_model: torch.nn.Module = model  # `model` stays the raw module: checkpoints, eval, clipping
     if cfg.compile:
@@ -204,7 +198,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
     result = TrainResult(run_dir, state.step, float("nan"), None, data.stats.unigram_entropy)
     t_start, tick, last_step, first_step = time.perf_counter(), time.perf_counter(), state.step, state.step
     model.train()
-    with _StopFlag() as stop:
+    with StopFlag() as stop:
         while state.step < cfg.max_steps:
             set_lr(optimizer, lr := lr_at(state.step, cfg.optim, cfg.max_steps))
             loss_sum, micro_batches = torch.zeros((), device=device), []

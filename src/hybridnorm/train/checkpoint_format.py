@@ -1,0 +1,276 @@
+"""What a checkpoint folder must hold, and the checks every file of it passes before anything is loaded.
+
+A checkpoint is written once and trusted never: its files may be truncated by a full disk, flipped by bad
+storage, or edited by hand (with a manifest rewritten to match). So nothing in a checkpoint reaches
+``torch`` unchecked: :func:`verify_checkpoint` compares every file with ``manifest.json`` (size and sha256)
+and :func:`check_checkpoint` also checks the *schema* of each file — JSON types and required keys of
+``state.json``, the tensor names, dtypes and shapes of the three safetensors files, and that the optimizer
+tensors are the ones ``state.json`` says were written. Any failure is a :class:`CheckpointError` (a
+``ConfigError``: one ``error:`` line on the command line) naming the exact file at fault; no other
+exception type escapes and nothing on disk is changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from hybridnorm.errors import ConfigError
+
+FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_OPT_KEY = re.compile(r"^state\.([0-9]+)\.([A-Za-z_][A-Za-z0-9_]*)$")
+_CUDA_KEY = re.compile(r"^cuda\.[0-9]+$")
+# param-group fields of torch's Adam/AdamW: a wrong type here would not fail at load but at the next step
+_GROUP_NUMBERS = ("lr", "eps", "weight_decay", "initial_lr")
+_GROUP_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+# the data-loader position TokenBatches.state_dict writes: all integers
+_DATA_KEYS = ("epoch", "step", "seed", "seq_len", "global_batch", "n_tokens")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint is missing, truncated, corrupt or malformed; the message names the file."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.splitlines()))  # the CLI prints it as ONE error: line
+
+
+def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
+    """Completed-looking checkpoint folders ``step_<N>``, oldest first (temporary and set-aside ones are not)."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a step count
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value of ``path``; unreadable bytes, bad UTF-8, bad JSON or absurd nesting name the file."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+        return json.loads(text)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"checkpoint file {path} is corrupt: not valid JSON ({e})"[:400]) from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {e.strerror or e}") from None
+
+
+def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
+    """``manifest.json``: for each of :data:`FILES`, ``{"bytes": int >= 0, "sha256": 64 hex digits}``."""
+    path = ckpt / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {path} is missing")
+    manifest = read_json(path)
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint file {path} is malformed: expected a JSON object, got "
+                              f"{type(manifest).__name__}")
+    for name in FILES:
+        entry = manifest.get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint file {path} is malformed: no entry for {name}")
+        if not (isinstance(entry, dict) and _is_int(entry.get("bytes")) and entry["bytes"] >= 0
+                and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
+            raise CheckpointError(f"checkpoint file {path} is malformed: the entry for {name} must be "
+                                  f'{{"bytes": <int >= 0>, "sha256": <64 hex digits>}}, got {entry!r}'[:400])
+    return manifest
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise :class:`CheckpointError` naming the first missing, truncated or corrupt file."""
+    ckpt = Path(path)
+    manifest = read_manifest(ckpt)
+    for name in FILES:
+        f, want = ckpt / name, manifest[name]
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        try:
+            size, digest = f.stat().st_size, sha256_of(f)
+        except OSError as e:  # unreadable (permissions, I/O error) is as unusable as corrupt
+            raise CheckpointError(f"checkpoint file {f} cannot be read: {e.strerror or e}") from None
+        if size != want["bytes"]:
+            raise CheckpointError(f"checkpoint file {f} is truncated or corrupt ({size} bytes, "
+                                  f"{ckpt / MANIFEST} records {want['bytes']})")
+        if digest != want["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} is corrupt (sha256 differs from {ckpt / MANIFEST})")
+
+
+def _bad_state(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {path} is malformed: {what}"[:500])
+
+
+def _check_data(path: Path, data: object) -> None:
+    """The data-loader position: empty (an imported model's step 0) or TokenBatches' integers."""
+    if not isinstance(data, dict):
+        raise _bad_state(path, f"'data' must be an object, got {type(data).__name__}")
+    if not data:
+        return
+    for key, value in data.items():
+        if key not in _DATA_KEYS or not _is_int(value) or value < 0:
+            raise _bad_state(path, f"'data' holds {key!r}: {value!r}; expected integers >= 0 among {_DATA_KEYS}")
+    for key in ("epoch", "step"):
+        if key not in data:
+            raise _bad_state(path, f"'data' has no {key!r}")
+    if all(data.get(k, 0) > 0 for k in ("n_tokens", "seq_len", "global_batch")):
+        # the same arithmetic as TokenBatches: a position past the end of its own epoch is not a position
+        steps_per_epoch = ((data["n_tokens"] - 1) // data["seq_len"]) // data["global_batch"]
+        if data["step"] >= max(steps_per_epoch, 1):
+            raise _bad_state(path, f"'data' step {data['step']} is past its epoch of {steps_per_epoch} steps")
+
+
+def _check_extra(path: Path, extra: object) -> None:
+    if not isinstance(extra, dict):
+        raise _bad_state(path, f"'extra' must be an object, got {type(extra).__name__}")
+    spikes = extra.get("spike_detector", {})
+    if not (isinstance(spikes, dict) and all(isinstance(v, list) and all(_is_number(x) for x in v)
+                                             for v in spikes.values())):
+        raise _bad_state(path, "'extra.spike_detector' must map metric names to lists of numbers")
+
+
+def _check_group(path: Path, i: int, group: object) -> list[int]:
+    if not isinstance(group, dict):
+        raise _bad_state(path, f"optimizer.param_groups[{i}] must be an object, got {type(group).__name__}")
+    params = group.get("params")
+    if not (isinstance(params, list) and params and all(_is_int(p) and p >= 0 for p in params)):
+        raise _bad_state(path, f"optimizer.param_groups[{i}].params must be a non-empty list of indices")
+    for key, value in group.items():
+        if key in _GROUP_NUMBERS and not _is_number(value):
+            raise _bad_state(path, f"optimizer.param_groups[{i}].{key} must be a number, got {value!r}")
+        if key in _GROUP_FLAGS and not (value is None or isinstance(value, bool)):
+            raise _bad_state(path, f"optimizer.param_groups[{i}].{key} must be true, false or null, got {value!r}")
+        if key == "betas" and not (isinstance(value, list) and len(value) == 2 and all(map(_is_number, value))):
+            raise _bad_state(path, f"optimizer.param_groups[{i}].betas must be two numbers, got {value!r}")
+        if key != "params" and isinstance(value, dict):
+            raise _bad_state(path, f"optimizer.param_groups[{i}].{key} must not be an object")
+    return params
+
+
+def _check_optimizer_meta(path: Path, meta: object) -> None:
+    if not isinstance(meta, dict):
+        raise _bad_state(path, f"'optimizer' must be an object, got {type(meta).__name__}")
+    groups = meta.get("param_groups")
+    if not isinstance(groups, list) or not groups:
+        raise _bad_state(path, "'optimizer.param_groups' must be a non-empty list")
+    ids = [p for i, g in enumerate(groups) for p in _check_group(path, i, g)]
+    if len(ids) != len(set(ids)):
+        raise _bad_state(path, "a parameter index appears twice in optimizer.param_groups")
+    scalars = meta.get("scalars")
+    if not isinstance(scalars, dict):
+        raise _bad_state(path, "'optimizer.scalars' must be an object")
+    for key, value in scalars.items():
+        idx, _, name = key.partition(".")
+        key_ok = idx.isascii() and idx.isdigit() and int(idx) in ids and bool(name)
+        if not key_ok or not (value is None or isinstance(value, (int, float))):
+            raise _bad_state(path, f"optimizer.scalars holds {key!r}: {value!r}; expected '<param index>.<name>': "
+                                   "a number")
+    tensors = meta.get("tensors")  # absent in checkpoints written before it was recorded
+    if tensors is not None and not (isinstance(tensors, dict) and all(
+            isinstance(s, list) and all(_is_int(n) and n >= 0 for n in s) for s in tensors.values())):
+        raise _bad_state(path, "'optimizer.tensors' must map tensor names to shapes (lists of integers)")
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    """``state.json`` with every field of the right type (see :func:`save_checkpoint` for what it holds)."""
+    path = ckpt / "state.json"
+    body = read_json(path)
+    if not isinstance(body, dict):
+        raise _bad_state(path, f"expected a JSON object, got {type(body).__name__}")
+    for key, check in (("step", _is_int), ("tokens", _is_int), ("data", None), ("extra", None), ("optimizer", None)):
+        if key not in body:
+            raise _bad_state(path, f"the key {key!r} is missing")
+        if check is not None and not (check(body[key]) and body[key] >= 0):
+            raise _bad_state(path, f"{key!r} must be an integer >= 0, got {body[key]!r}")
+    _check_data(path, body["data"])
+    _check_extra(path, body["extra"])
+    _check_optimizer_meta(path, body["optimizer"])
+    return body
+
+
+def tensor_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Name → (dtype, shape) of a safetensors file, read from its header alone (no tensor data)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            out = {}
+            for key in f.keys():
+                sl = f.get_slice(key)
+                out[key] = (sl.get_dtype(), tuple(sl.get_shape()))
+            return out
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be read as safetensors: {e}"[:400]) from None
+
+
+def check_rng(ckpt: Path) -> None:
+    """``rng.safetensors``: the CPU generator state ``torch`` (uint8, this torch's length), CUDA ones optional."""
+    path = ckpt / "rng.safetensors"
+    header = tensor_header(path)
+    want = tuple(torch.get_rng_state().shape)
+    if header.get("torch") != ("U8", want):
+        raise CheckpointError(f"checkpoint file {path} is malformed: expected a uint8 tensor 'torch' of shape "
+                              f"{want}, got {header.get('torch')}")
+    for key, (dtype, shape) in header.items():
+        if key != "torch" and not (_CUDA_KEY.match(key) and dtype == "U8" and len(shape) == 1):
+            raise CheckpointError(f"checkpoint file {path} is malformed: unexpected tensor {key!r}")
+
+
+def check_optimizer_file(ckpt: Path, meta: dict[str, Any]) -> None:
+    """The tensors of ``optimizer.safetensors`` are those ``state.json`` describes: names ``state.<i>.<name>``
+    for parameter indices of its param groups, the same state names for every parameter, and (when
+    recorded) exactly the names and shapes written — so an emptied file cannot silently reset AdamW."""
+    path, state_path = ckpt / "optimizer.safetensors", ckpt / "state.json"
+    header = tensor_header(path)
+    ids = {p for g in meta["param_groups"] for p in g["params"]}
+    names: dict[int, set[str]] = {}
+    for key in header:
+        m = _OPT_KEY.match(key)
+        if not m or int(m.group(1)) not in ids:
+            raise CheckpointError(f"checkpoint file {path} is malformed: tensor {key!r} is not "
+                                  f"'state.<param index>.<name>' for a parameter of {state_path}")
+        names.setdefault(int(m.group(1)), set()).add(m.group(2))
+    if len({frozenset(n) for n in names.values()}) > 1:
+        raise CheckpointError(f"checkpoint file {path} is malformed: parameters hold different optimizer "
+                              "state tensors (some are missing)")
+    recorded = meta.get("tensors")
+    if recorded is not None:
+        got = {k: list(shape) for k, (_, shape) in header.items()}
+        if got != recorded:
+            lost = sorted(set(recorded) - set(got))[:3]
+            raise CheckpointError(f"checkpoint file {path} does not hold the optimizer state {state_path} "
+                                  f"records ({len(got)} of {len(recorded)} tensors" +
+                                  (f"; missing {lost}" if lost else "; shapes differ") + ")")
+
+
+def check_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Everything short of loading: :func:`verify_checkpoint`, then the schema of every file. Returns the
+    checked ``state.json`` body. Raises :class:`CheckpointError` naming the first file at fault."""
+    ckpt = Path(path)
+    verify_checkpoint(ckpt)
+    body = read_state(ckpt)
+    tensor_header(ckpt / "model.safetensors")
+    check_rng(ckpt)
+    check_optimizer_file(ckpt, body["optimizer"])
+    return body

@@ -1,0 +1,86 @@
+"""SIGINT / SIGTERM during training: finish the step, save, exit 130 — and a second signal cannot break that.
+
+:class:`StopFlag` (around the training loop) turns the first signal into a flag the loop checks after each
+step; it then saves a checkpoint and returns. People and schedulers repeat signals (Ctrl-C twice; SLURM's
+SIGTERM then SIGTERM), and a repeated signal that killed the process during the save, or printed a
+``KeyboardInterrupt`` traceback during the exit after it, would turn a clean stop into an unclear one. So
+once a stop is under way every further SIGINT/SIGTERM is ignored with a note on stderr, while the loop
+runs (the save) and — for a command-line process, through :func:`process_signals` — until the process has
+exited with 130.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stopping = False  # a StopFlag in this process took a signal: the process is on its way out
+
+
+def stop_requested() -> bool:
+    """Whether a :class:`StopFlag` in this process has taken a stop signal."""
+    return _stopping
+
+
+def _note(signum: int) -> None:
+    # os.write, not print: a handler may run in the middle of another write to sys.stderr
+    with contextlib.suppress(OSError):
+        os.write(2, f"{signal.Signals(signum).name} again: already stopping — saving the checkpoint, then "
+                    "exiting\n".encode())
+
+
+class StopFlag:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (then saves and returns); later
+    signals are ignored. Outside the main thread it installs nothing (signals only reach the main thread)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopFlag:
+        for sig in SIGNALS:
+            with contextlib.suppress(ValueError):  # not the main thread: leave handlers alone
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        global _stopping
+        if self.signal is not None:
+            _note(signum)
+            return
+        self.signal = signum
+        _stopping = True
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _outside_loop(signum: int, frame: object) -> None:
+    if _stopping:
+        _note(signum)
+        return
+    raise KeyboardInterrupt  # before the loop (data, model, resume): stop at once, exit 130 through the CLI
+
+
+@contextlib.contextmanager
+def process_signals() -> Iterator[None]:
+    """For a process that trains and exits (the CLI): SIGINT and SIGTERM outside the training loop raise
+    KeyboardInterrupt — until a stop is under way, after which they are ignored. The handlers are restored
+    on leaving unless a stop happened: then the process is exiting with 130 and must stay unkillable by a
+    repeated signal until it has."""
+    global _stopping
+    _stopping = False
+    old: dict[int, object] = {}
+    for sig in SIGNALS:
+        with contextlib.suppress(ValueError):
+            old[sig] = signal.signal(sig, _outside_loop)
+    try:
+        yield
+    finally:
+        if not _stopping:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
