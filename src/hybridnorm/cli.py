@@ -43,9 +43,11 @@ def _config(args: argparse.Namespace, extra: list[str]):  # -> TrainConfig (impo
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.train.stop import process_signals
     from hybridnorm.train.trainer import train
 
-    result = train(_config(args, extra), resume=args.resume)
+    with process_signals():  # a repeated SIGINT/SIGTERM cannot break a stop's save or its exit 130
+        result = train(_config(args, extra), resume=args.resume)
     if result.diverged:
         return EXIT_DIVERGED
     if result.interrupted:
