@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import typing
 import warnings
 
 from hybridnorm.errors import ConfigError
@@ -18,28 +19,30 @@ EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
 
 def _config(args: argparse.Namespace, extra: list[str]):  # -> TrainConfig (imported lazily: fast --help)
     """The train config of a command line: YAML file (optional), then --size, then --key=value, then flags."""
-    from hybridnorm.config import SIZES
-    from hybridnorm.train.config import TrainConfig, apply_overrides
+    from hybridnorm.train.config import TrainConfig
 
-    overrides = list(extra)
-    if args.size:
-        if args.size.lower() not in SIZES:
-            raise ConfigError(f"--size {args.size!r} is not one of {', '.join(SIZES)}")
-        size = dict(SIZES[args.size.lower()])
-        overrides = [f"--model.{k}={v}" for k, v in size.items() if k not in ("moe", "vocab_size")] + overrides
-        if "moe" in size:
-            overrides.insert(0, f"--model.moe={size['moe']}")
-        user_keys = {o.lstrip("-").partition("=")[0].replace("-", "_") for o in extra}
-        if not args.config and "seq_len" not in user_keys:  # the default seq_len may exceed a small preset's
-            overrides.insert(0, f"--seq_len={min(TrainConfig.seq_len, size['max_seq_len'])}")
-    if getattr(args, "placement", None):
-        overrides.append(f"--model.placement={args.placement}")
-    if args.max_steps is not None:
-        overrides.append(f"--max_steps={args.max_steps}")
-    if args.out:
-        overrides.append(f"--out_dir={args.out}")
-    return TrainConfig.load(args.config, overrides) if args.config else \
-        TrainConfig.from_dict(apply_overrides({}, overrides))
+    flags = [f"--model.placement={args.placement}"] if getattr(args, "placement", None) else []
+    flags += [f"--max_steps={args.max_steps}"] if args.max_steps is not None else []
+    flags += [f"--out_dir={args.out}"] if args.out is not None else []
+    return TrainConfig.from_cli(args.config, [*extra, *flags], size=args.size)
+
+
+def _join_spaced_overrides(argv: list[str], own_options: set[str]) -> list[str]:
+    """``--optim.lr 1e-3`` (an option that is not the command's own, then a value as the next word) becomes
+    ``--optim.lr=1e-3``: the value is not mistaken for the config file, and a mistyped key is reported as
+    the unknown config field it is."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if (word.startswith("--") and "=" not in word and word not in own_options and i + 1 < len(argv)
+                and not argv[i + 1].startswith("--")):
+            out.append(f"{word}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -135,72 +138,11 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     """Validation loss by default; with --mc / --text / --tasks those evaluations instead, as one table."""
-    from hybridnorm.train.load import evaluate_run, load_run
+    from dataclasses import fields
 
-    for name in ("batches", "batch_size", "limit"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise ConfigError(f"--num-fewshot={args.num_fewshot} must be >= 0")
-    if not args.tasks and (args.include_path or args.num_fewshot is not None):
-        raise ConfigError("--include-path and --num-fewshot only apply to lm-eval tasks (--tasks a,b)")
-    if not (args.mc or args.text or args.tasks):
-        if args.limit is not None:
-            raise ConfigError("--limit only applies to --mc and --tasks")
-        run = load_run(args.checkpoint)
-        loss, n_tokens = evaluate_run(run, args.data, batch_size=args.batch_size, seq_len=args.seq_len,
-                                      max_batches=args.batches)
-        print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
-              f"of {args.data or run.config.data.source}")
-        if args.output:
-            from hybridnorm.eval.report import write_json
+    from hybridnorm.eval.suite import EvalRequest, run_eval
 
-            write_json(args.output, {"checkpoint": str(run.checkpoint), "val": {
-                "source": args.data or run.config.data.source, "loss": loss, "perplexity": math.exp(loss),
-                "tokens": n_tokens}})
-        return 0
-
-    from pathlib import Path
-
-    from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
-
-    run = load_run(args.checkpoint)
-    if args.device:
-        import torch
-
-        try:
-            run.model.to(torch.device(args.device))
-        except (RuntimeError, AssertionError) as e:  # a malformed name, or CUDA not built in / not present
-            raise ConfigError(f"--device={args.device!r}: {e}") from None
-    rows, notes, out = [], [], {"checkpoint": str(run.checkpoint)}
-    if args.mc:
-        from hybridnorm.eval.multiple_choice import evaluate_mc
-
-        mc = evaluate_mc(run.model, run.tokenizer, args.mc, batch_size=args.batch_size, limit=args.limit)
-        rows += mc_rows(mc, f"mc:{Path(args.mc).name}")
-        out["mc"] = mc.to_dict(per_item=True)
-    if args.text:
-        from hybridnorm.eval.perplexity import perplexity_of_run
-
-        ppl = perplexity_of_run(run, args.text, batch_size=args.batch_size)
-        rows += perplexity_rows(ppl, f"text:{Path(args.text).name}")
-        notes.append(f"text: {ppl.n_docs:,} documents, {ppl.n_tokens:,} tokens, {ppl.n_bytes:,} bytes, "
-                     f"{ppl.n_words:,} words")
-        out["text"] = ppl.to_dict()
-    if args.tasks:
-        import logging
-
-        from hybridnorm.eval.lm_eval_adapter import metric_rows, run_lm_eval
-
-        if not args.debug:  # lm-eval's per-task warnings would bury the table (and a one-line error)
-            logging.getLogger("lm_eval").setLevel(logging.ERROR)
-        res = run_lm_eval(run, _csv(args.tasks, "--tasks"), include_path=args.include_path, limit=args.limit,
-                          num_fewshot=args.num_fewshot, batch_size=args.batch_size)
-        rows += metric_rows(res)
-        out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
-    print_results(rows, f"{run.checkpoint}", notes)
-    if args.output:
-        print(f"results: {write_json(args.output, out)}")
+    run_eval(EvalRequest.from_dict({f.name: getattr(args, f.name) for f in fields(EvalRequest)}))
     return 0
 
 
@@ -252,8 +194,16 @@ def _placements(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are a ConfigError: one ``error:`` line and exit 2 like all bad input
+    (argparse's own error() prints the usage block too, and exits from inside the parse)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hybridnorm", description="Normalization placements for decoder-only LMs.")
+    ap = _Parser(prog="hybridnorm", description="Normalization placements for decoder-only LMs.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     # --debug is accepted after the command too (`hybridnorm train --debug`); SUPPRESS keeps the
     # subcommand from resetting a --debug given before it.
@@ -356,15 +306,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("placements", parents=[common], help="list placement presets with their equations")
     p.add_argument("--all", action="store_true", help="also the paper's grammar names")
     p.set_defaults(func=_placements)
+    # the options each config-taking command owns: any other --key is a config override
+    ap.own_options = {name: set(sub.choices[name]._option_string_actions) for name in ("train", "compare", "sweep")}
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = next((w for w in words if not w.startswith("-")), None)
+    if command in ("train", "compare", "sweep"):
+        words = _join_spaced_overrides(words, parser.own_options[command])
+    try:
+        args, extra = parser.parse_known_args(words)
+        if extra and args.command not in ("train", "compare", "sweep"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except ConfigError as e:
+        if "--debug" in words:
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     args.argv = argv
-    if extra and args.command not in ("train", "compare", "sweep"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     old_format = warnings.formatwarning
     if not args.debug:  # one line per warning (e.g. a skipped corrupt checkpoint), not two
         warnings.formatwarning = lambda message, *_a, **_k: f"warning: {message}\n"

@@ -12,6 +12,7 @@ Only YAML's *safe* loader ever reads config text (no tags that build objects, no
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -146,6 +147,10 @@ def from_mapping(cls: type, d: Any, where: str) -> Any:
         raise ConfigError(f"{where or 'config'}: expected a section (mapping of fields), got "
                           f"{type(d).__name__} {d!r}")
     check_fields(where or "config", d, cls)
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where or 'config'}: missing required field(s) {', '.join(missing)}")
     hints = _hints(cls)
     own = isinstance(cls, type) and issubclass(cls, Config) and where == cls.SECTION
     kwargs = {k: coerce(cls.label(k) if own else _join(where, k), v, hints[k]) for k, v in d.items()}
@@ -252,7 +257,7 @@ class Config:
         """``data`` with ``key.sub=value`` strings applied. Each key is checked against the fields (a typo
         names the valid ones); a value is read with YAML's safe loader, except for string fields, which
         take the text as typed (``--out_dir=123`` is a folder named 123)."""
-        data = json.loads(json.dumps(data))  # a deep copy of plain data
+        data = copy.deepcopy(data)
         for item in overrides:
             key, sep, raw = item.lstrip("-").partition("=")
             if not sep:
