@@ -74,6 +74,15 @@ def _vocab_mismatch(run: Path, tmp_path: Path) -> Path:
     return copy
 
 
+def _smaller_tokenizer(run: Path, tmp_path: Path) -> Path:
+    """The run's config.yaml claims a model vocab (300) larger than its byte tokenizer's 257."""
+    copy = _copy(run, tmp_path)
+    text = (copy / "config.yaml").read_text(encoding="utf-8")
+    assert "vocab_size: 257" in text
+    (copy / "config.yaml").write_text(text.replace("vocab_size: 257", "vocab_size: 300", 1), encoding="utf-8")
+    return copy
+
+
 def _corrupt_step4(run: Path, tmp_path: Path) -> Path:
     copy = _copy(run, tmp_path)
     f = copy / "checkpoints" / "step_000004" / "model.safetensors"
@@ -102,6 +111,8 @@ BAD_INPUTS = {
     "existing run without --resume": (lambda w, r, t: _train_args(w, r, "--max-steps", "6"),
                                       ["already has checkpoints", "--resume"]),
     "eval vocab mismatch": (lambda w, r, t: ["eval", str(_vocab_mismatch(r, t))], ["vocab mismatch", "300", "257"]),
+    "generate tokenizer smaller than model": (lambda w, r, t: ["generate", str(_smaller_tokenizer(r, t))],
+                                              ["vocab mismatch", "257", "300", "config.yaml"]),
     "generate vocab mismatch": (lambda w, r, t: ["generate", str(_vocab_mismatch(r, t))],
                                 ["vocab mismatch", "300", "257"]),
     "corrupt checkpoint": (lambda w, r, t: ["eval", str(_corrupt_step4(r, t))],

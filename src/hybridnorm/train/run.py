@@ -48,9 +48,10 @@ def open_run(path: str | Path) -> Run:
                 f" ({len(found)} found, none verifies)" if found else " (no checkpoints/step_* folder)"))
     cfg = TrainConfig.load(run_dir / "config.yaml")
     tokenizer = load_tokenizer(run_dir / "tokenizer.json")
-    if tokenizer.vocab_size > cfg.model.vocab_size:
+    if tokenizer.vocab_size != cfg.model.vocab_size:  # training and import both make them equal
         raise ConfigError(f"vocab mismatch: tokenizer {run_dir / 'tokenizer.json'} has {tokenizer.vocab_size} "
-                          f"tokens but the model in {ckpt} has vocab_size {cfg.model.vocab_size}")
+                          f"tokens but {run_dir / 'config.yaml'} gives the model vocab_size {cfg.model.vocab_size} "
+                          "(a smaller tokenizer could not decode every id the model emits)")
     model = TransformerLM(cfg.model)
     load_weights(ckpt, model)
     model.eval()
