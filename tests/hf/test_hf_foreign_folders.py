@@ -206,3 +206,26 @@ def test_safetensors_win_over_pickles_and_shard_indexes_stay_in_the_folder(llama
     capsys.readouterr()
     line = _import_err(["import", str(folder), "--out", str(tmp_path / "r2")], capsys)
     assert str(index) in line and "outside.safetensors" in line
+
+
+@pytest.mark.parametrize("damage", ["drop a weight", "config disagrees with the weights"])
+def test_weights_that_are_not_the_configs_model_are_refused_not_randomly_filled(llama_dir, tmp_path: Path, capsys,
+                                                                               damage: str) -> None:
+    """transformers only warns (a multi-line report) and fills such weights randomly; we refuse by name."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    for f in llama_dir[0].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    if damage == "drop a weight":
+        sd = load_file(folder / "model.safetensors")
+        del sd["model.layers.1.mlp.up_proj.weight"]
+        save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+        needle = "lack 'model.layers.1.mlp.up_proj.weight'"
+    else:
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "vocab_size": 100}))
+        needle = "model.embed_tokens.weight has shape (257, 64), the config implies (100, 64)"
+    line = _import_err(["import", str(folder), "--out", str(tmp_path / "r")], capsys)
+    assert needle in line and str(folder) in line

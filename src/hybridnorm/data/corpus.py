@@ -267,7 +267,9 @@ def _hf_documents(spec: str, text_field: str, max_docs: int | None,
         raise ConfigError(f"data.source='hf:{spec}' needs the datasets package: "
                           f"pip install datasets") from None
     name, _, split = spec.rpartition("@") if "@" in spec else (spec, "", "train")
-    kwargs: dict[str, object] = {"split": split or "train", "streaming": max_docs is not None}
+    # never a dataset's loading script: datasets < 3 ran them unasked; >= 4 ignores a False here
+    kwargs: dict[str, object] = {"split": split or "train", "streaming": max_docs is not None,
+                                 "trust_remote_code": False}
     if cache_dir is not None:
         kwargs["cache_dir"] = os.fspath(Path(cache_dir) / "hf-datasets")
     local = Path(name)

@@ -22,8 +22,10 @@ the folder itself first, and only what passes goes on:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,23 @@ def one_line(text: object) -> str:
     """A message on one line: the CLI prints every error as exactly one ``error:`` line, and messages from
     torch / transformers span several."""
     return " ".join(str(text).split())
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings about a foreign config and its progress bars off for the duration: what
+    matters is checked here and said in one line (an error stays one ``error:`` line)."""
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -116,7 +135,8 @@ def build_config(path: str | Path, cfg: dict[str, Any]) -> Any:  # -> transforme
     model_type = cfg["model_type"]
     cls = HybridNormConfig if model_type == MODEL_TYPE else stock.stock_config_class(stock.BY_TYPE[model_type])
     try:
-        return cls.from_dict(cfg)
+        with quiet_transformers():
+            return cls.from_dict(cfg)
     except ConfigError as e:
         raise ConfigError(f"{Path(path) / 'config.json'}: {e}") from None
     except Exception as e:  # the config classes raise TypeError/ValueError/... on values of the wrong kind
@@ -201,23 +221,37 @@ def load_pickle_state_dict(files: list[Path]) -> dict[str, Tensor]:
 
 
 def load_model(path: str | Path, config: Any, weights: Weights) -> Any:  # -> transformers.PreTrainedModel
-    """The concrete HF model of ``config`` with the folder's weights, in fp32, no code from the folder."""
-    from transformers.utils import logging as hf_logging
+    """The concrete HF model of ``config`` with the folder's weights, in fp32, no code from the folder.
 
+    A weight that is missing from the files or has another shape than ``config.json`` implies is refused by
+    name: ``transformers`` would only warn (a multi-line report) and leave it randomly initialized, which
+    would import a model that is silently not the folder's."""
     path = Path(path)
     cls = model_class(config.model_type)
-    common: dict[str, Any] = dict(config=config, dtype=torch.float32, trust_remote_code=False)
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a one-line error stays one line; a tiny load needs no bar
+    common: dict[str, Any] = dict(config=config, dtype=torch.float32, trust_remote_code=False,
+                                  output_loading_info=True, ignore_mismatched_sizes=True)  # report, not raise
     try:
-        if weights.kind == "pickle":
-            state_dict = load_pickle_state_dict(weights.files)
-            return cls.from_pretrained(None, state_dict=state_dict, **common)
-        return cls.from_pretrained(path, local_files_only=True, use_safetensors=True, **common)
+        with quiet_transformers():
+            if weights.kind == "pickle":
+                state_dict = load_pickle_state_dict(weights.files)
+                model, info = cls.from_pretrained(None, state_dict=state_dict, **common)
+            else:
+                model, info = cls.from_pretrained(path, local_files_only=True, use_safetensors=True, **common)
     except ConfigError:
         raise
-    except Exception as e:  # safetensors, OSError, shape mismatches: all mean a broken folder
+    except Exception as e:  # safetensors, OSError, conversion errors: all mean a broken folder
         raise ConfigError(f"cannot load the weights in {path}: {type(e).__name__}: {one_line(e)[:500]}") from None
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    mismatched = sorted(info.get("mismatched_keys") or (), key=str)
+    if mismatched:
+        key, file_shape, model_shape = mismatched[0]
+        raise ConfigError(f"weights in {path} do not match its config.json: {key} has shape {tuple(file_shape)}, "
+                          f"the config implies {tuple(model_shape)}" + _more(len(mismatched)))
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ConfigError(f"weights in {path} lack {missing[0]!r}" + _more(len(missing))
+                          + f" that a {cls.__name__} of its config.json has")
+    return model
+
+
+def _more(n: int) -> str:
+    return f" (and {n - 1} more)" if n > 1 else ""

@@ -34,7 +34,7 @@ def load_run(path: str | Path) -> Run:
             raise ConfigError(f"{path} is a Hugging Face model folder: reading it needs transformers "
                               "(pip install 'hybridnorm[hf]')") from None
         return load_hf_run(path)
-    check_run_fits(path)  # from config.yaml, before the model is allocated
+    check_run_fits(path, copies=2)  # from config.yaml, before the model (and the file tensors read into it) exist
     return open_run(path)
 
 
