@@ -1,5 +1,6 @@
 """A second SIGTERM / SIGINT while a stopping trainer saves, or while it exits after the save, changes
-nothing: the checkpoint is written whole and the process exits 130 without a traceback.
+nothing: the checkpoint is written whole and the process exits 130 without a traceback. A signal before the
+training loop stops the process at once (exit 130), and a second one does not interrupt that either.
 
 The trainer runs as ``python -m hybridnorm.cli train`` would (``runpy``), from a small wrapper that holds
 one function at a chosen point until the test has sent its second signal: the signal provably lands
@@ -21,56 +22,78 @@ from hybridnorm.config import ModelConfig
 from hybridnorm.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
 from hybridnorm.train.optim import OptimConfig, build_optimizer
 
-# argv: marker file, where to hold ("save": the first safetensors write of a checkpoint; "exit": closing the
-# metrics log, after the training loop and its signal handling are done), then the CLI's arguments
+# argv: a marker prefix, the points to hold (comma-separated), then the CLI's arguments. Each point holds
+# once: it writes <marker>.<point> and waits for <marker>.<point>.go. Points: "save" (the first safetensors
+# write of a checkpoint), "exit" (closing the metrics log, after the loop and its signal handling),
+# "prepare" (data preparation, before the loop) and "release" (giving the run folder's lock back).
 WRAPPER = textwrap.dedent('''
     import runpy, sys, time
     from pathlib import Path
 
-    marker, where = Path(sys.argv[1]), sys.argv[2]
+    marker, points = sys.argv[1], sys.argv[2].split(",")
 
-    def hold(original):
+    def hold(name, original):
         def held(*args, **kwargs):
-            if not marker.exists():
-                marker.write_text("held", encoding="utf-8")
-                while not marker.with_suffix(".go").exists():
+            flag = Path(f"{marker}.{name}")
+            if not flag.exists():
+                flag.write_text("held", encoding="utf-8")
+                while not Path(f"{marker}.{name}.go").exists():
                     time.sleep(0.01)
             return original(*args, **kwargs)
         return held
 
-    if where == "save":
-        import hybridnorm.train.checkpoint as module
-        module.save_file = hold(module.save_file)
-    else:
-        import hybridnorm.train.logger as module
-        module.MetricsLogger.close = hold(module.MetricsLogger.close)
+    import hybridnorm.train.checkpoint as checkpoint
+    import hybridnorm.train.lock as lock
+    import hybridnorm.train.logger as logger
+    import hybridnorm.train.trainer as trainer
+
+    for owner, attr, name in ((checkpoint, "save_file", "save"), (logger.MetricsLogger, "close", "exit"),
+                              (trainer, "prepare_data", "prepare"), (lock.RunLock, "release", "release")):
+        if name in points:
+            setattr(owner, attr, hold(name, getattr(owner, attr)))
     sys.argv = ["hybridnorm", *sys.argv[3:]]
     runpy.run_module("hybridnorm.cli", run_name="__main__")
 ''')
 
 
+def _start(tmp_path, corpus, cache_dir, points: str):
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(WRAPPER, encoding="utf-8")
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    # ckpt_interval=1000: the only save is the one the first signal asks for
+    return start_trainer([*tiny_overrides(corpus, cache_dir, run), "--max_steps=100000"], log,
+                         wrapper=[str(wrapper), str(tmp_path / "held"), points]), run, log
+
+
+def _signal_while_held(proc, sig, tmp_path, point: str, log) -> None:
+    """Wait until ``point`` holds, send ``sig`` while it does, then let it go on."""
+    wait_for(proc, (tmp_path / f"held.{point}").exists, log)
+    proc.send_signal(sig)
+    time.sleep(0.2)  # let the handler run (a default SIGTERM handler would end the process right here)
+    (tmp_path / f"held.{point}.go").write_text("", encoding="utf-8")
+
+
+def _exit_code(proc) -> int:
+    try:
+        return proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail("the trainer did not exit after the signals")
+
+
 @pytest.mark.parametrize("where", ["save", "exit"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_second_signal_during_the_stop_save_or_exit(corpus, cache_dir, tmp_path, sig, where):
-    run, log, marker = tmp_path / "run", tmp_path / "train.log", tmp_path / "held"
-    wrapper = tmp_path / "wrapper.py"
-    wrapper.write_text(WRAPPER, encoding="utf-8")
-    # ckpt_interval=1000: the only save is the one the first signal asks for
-    proc = start_trainer([*tiny_overrides(corpus, cache_dir, run), "--max_steps=100000"], log,
-                         wrapper=[str(wrapper), str(marker), where])
+    proc, run, log = _start(tmp_path, corpus, cache_dir, where)
     try:
         wait_for(proc, lambda: train_records(run) >= 2, log)
-        proc.send_signal(sig)
-        wait_for(proc, marker.exists, log)  # held inside the save (or the exit)
-        if where == "save":
+        proc.send_signal(sig)  # the first signal: finish the step, save, exit 130
+        if where == "save":  # held inside the save: half a checkpoint is on disk
+            wait_for(proc, (tmp_path / "held.save").exists, log)
             assert list(run.glob("checkpoints/.tmp_step_*")) and not list_checkpoints(run / "checkpoints")
-        proc.send_signal(sig)  # the second signal: delivered while the process is held
-        time.sleep(0.2)  # let its handler run (a default handler would kill the process right here)
-        marker.with_suffix(".go").write_text("", encoding="utf-8")
-        rc = proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("the trainer did not exit after the signals")
+        _signal_while_held(proc, sig, tmp_path, where, log)  # the second signal
+        rc = _exit_code(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -86,3 +109,22 @@ def test_second_signal_during_the_stop_save_or_exit(corpus, cache_dir, tmp_path,
     assert not list(run.glob("checkpoints/.tmp_*"))
     model = ModelConfig.from_preset("tiny", vocab_size=257).build()  # the run's model: byte vocab + end of text
     assert load_checkpoint(ckpts[0], model, build_optimizer(model, OptimConfig())).step == last
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signals_before_the_loop_stop_at_once_and_a_second_one_changes_nothing(corpus, cache_dir, tmp_path, sig):
+    """The first signal lands in data preparation (nothing trained, nothing to save), the second while the
+    run folder's lock is being given back: exit 130, no traceback, no checkpoint, the lock released."""
+    proc, run, log = _start(tmp_path, corpus, cache_dir, "prepare,release")
+    try:
+        _signal_while_held(proc, sig, tmp_path, "prepare", log)
+        _signal_while_held(proc, sig, tmp_path, "release", log)
+        rc = _exit_code(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text(errors="replace")
+    assert rc == 130, output[-3000:]
+    assert "Traceback" not in output and "already stopping" in output
+    assert list_checkpoints(run / "checkpoints") == [] and not (run / "train.lock").exists()

@@ -45,7 +45,7 @@ from hybridnorm.train.checkpoint_format import (
     sha256_of,
     verify_checkpoint,
 )
-from hybridnorm.train.retention import prune_checkpoints, remember_good
+from hybridnorm.train.retention import prune_checkpoints
 
 __all__ = ["FILES", "CheckpointError", "CheckpointSaveError", "TrainState", "check_checkpoint", "latest_checkpoint",
            "list_checkpoints", "load_checkpoint", "load_weights", "save_checkpoint", "verify_checkpoint"]
@@ -151,7 +151,6 @@ def save_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.op
         raise CheckpointSaveError(f"saving checkpoint {final} failed: {_reason(e)} (writing {where}); its "
                                   f"temporary folder was removed and the earlier checkpoints in {root} are kept"
                                   ) from None
-    remember_good(final)
     for moved in prune_checkpoints(root, keep_last, final):
         warnings.warn(f"set aside corrupt checkpoint {moved.checkpoint} -> {moved.moved_to}: {moved.reason}",
                       stacklevel=2)

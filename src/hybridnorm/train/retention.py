@@ -15,13 +15,15 @@ Rules, each there because breaking it once loses a run:
 
 "Good" means :func:`check_checkpoint` passes (hashes and the schema of every file). Hashing gigabytes at
 every save would be slow, so a checkpoint that passed in this process is remembered with the size, mtime
-and inode of each of its files, and checked again only when one of them changes.
+and inode of each of its files, and checked again only when one of them changes (each checkpoint is thus
+hashed about once more in a run's life, at the first save after it settled, not at every save).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from hybridnorm.train.checkpoint_format import CheckpointError, check_checkpoint
 
 CORRUPT_DIR = "corrupt"
 
+_SETTLED_S = 2.0  # seconds after its last write a checkpoint's file signature is trusted (see remember_good)
 _good: dict[Path, tuple] = {}  # checkpoint folder -> file signature when it last passed check_checkpoint
 
 
@@ -58,8 +61,11 @@ def _signature(ckpt: Path) -> tuple | None:
 
 
 def remember_good(ckpt: Path) -> None:
-    """Record ``ckpt`` as good (it was just written, or just checked) as long as its files do not change."""
-    if (sig := _signature(ckpt)) is not None:
+    """Record ``ckpt`` as good (it was just checked) as long as its files do not change. Not while its files
+    are fresh: file times tick coarsely (a jiffy or more), so a change within the same tick as the last
+    write would keep the signature; a checkpoint recorded later is re-hashed once more instead."""
+    sig = _signature(ckpt)
+    if sig is not None and max(mtime for _, _, mtime, _ in sig) < (time.time() - _SETTLED_S) * 1e9:
         _good[ckpt.absolute()] = sig
 
 

@@ -28,8 +28,8 @@ def stop_requested() -> bool:
 def _note(signum: int) -> None:
     # os.write, not print: a handler may run in the middle of another write to sys.stderr
     with contextlib.suppress(OSError):
-        os.write(2, f"{signal.Signals(signum).name} again: already stopping — saving the checkpoint, then "
-                    "exiting\n".encode())
+        os.write(2, f"{signal.Signals(signum).name} again: already stopping — exiting as soon as the checkpoint "
+                    "(if one is due) is saved\n".encode())
 
 
 class StopFlag:
@@ -60,9 +60,11 @@ class StopFlag:
 
 
 def _outside_loop(signum: int, frame: object) -> None:
+    global _stopping
     if _stopping:
         _note(signum)
         return
+    _stopping = True  # the stop is under way: a repeated signal must not interrupt its unwinding
     raise KeyboardInterrupt  # before the loop (data, model, resume): stop at once, exit 130 through the CLI
 
 
