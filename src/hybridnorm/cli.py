@@ -126,7 +126,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.nn.model import check_generate_args
     from hybridnorm.train.load import load_run
 
-    check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before minutes of loading
+    check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed, as_options=True)  # pre-load
     run = load_run(args.checkpoint)
     gen = torch.Generator().manual_seed(args.seed)
     ids = run.tokenizer.encode(args.prompt) or [run.tokenizer.eot_id]

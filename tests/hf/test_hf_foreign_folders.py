@@ -126,6 +126,20 @@ def test_config_json_that_is_not_a_json_object_is_one_error(tmp_path: Path, caps
                                                                str(tmp_path / "r")], capsys)
 
 
+def test_deeply_nested_config_json_is_one_error_line(llama_dir, tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "f"
+    folder.mkdir()
+    for f in llama_dir[0].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    for depth in (200, 900, 5000):  # found by a walk; at about the recursion limit; past the JSON decoder's
+        deep = json.dumps(cfg)[:-1] + ', "x": ' + '{"a": ' * depth + '{"auto_map": 1}' + "}" * (depth + 1)
+        (folder / "config.json").write_text(deep)
+        assert str(folder / "config.json") in _import_err(["import", str(folder), "--out", str(tmp_path / "r")],
+                                                          capsys)
+    assert not (tmp_path / "r").exists()
+
+
 def test_own_export_with_its_shim_still_loads_but_a_changed_auto_map_does_not(tmp_path: Path, capsys) -> None:
     folder, model = _tiny_folder(tmp_path / "own", placement="hybridnorm_star")
     cfg = json.loads((folder / "config.json").read_text())

@@ -78,19 +78,20 @@ def supported_model_types() -> tuple[str, ...]:
     return (MODEL_TYPE, *stock.BY_TYPE)
 
 
-def _find_key(obj: Any, key: str, where: str = "") -> str | None:
-    """The dotted location of ``key`` anywhere in nested dicts/lists, or None."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            here = f"{where}.{k}" if where else str(k)
-            if k == key:
-                return here
-            if (found := _find_key(v, key, here)) is not None:
-                return found
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            if (found := _find_key(v, key, f"{where}[{i}]")) is not None:
-                return found
+def _find_key(obj: Any, key: str) -> str | None:
+    """The dotted location of ``key`` anywhere in nested dicts/lists, or None. Iterative: JSON nested
+    deeper than Python's recursion limit must be an error line, not a RecursionError."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                here = f"{where}.{k}" if where else str(k)
+                if k == key:
+                    return here
+                stack.append((here, v))
+        elif isinstance(node, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
     return None
 
 

@@ -160,21 +160,25 @@ class TransformerLM(nn.Module):
 
 
 def check_generate_args(max_new_tokens: int, temperature: float, top_k: int | None = None,
-                        seed: int | None = None) -> None:
+                        seed: int | None = None, *, as_options: bool = False) -> None:
     """ConfigError naming the first argument of :meth:`TransformerLM.generate` (and the seed of its
-    generator) that is out of range; NaN and infinities are out of every range."""
+    generator) that is out of range; NaN and infinities are out of every range. ``as_options``: name them
+    as the command line spells them (``--max-new-tokens``)."""
+    def name(arg: str) -> str:
+        return "--" + arg.replace("_", "-") if as_options else arg
+
     def integer(x: object) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
     if not integer(max_new_tokens) or max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+        raise ConfigError(f"{name('max_new_tokens')}={max_new_tokens!r} must be an integer >= 0")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not math.isfinite(temperature) or temperature < 0:
-        raise ConfigError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
+        raise ConfigError(f"{name('temperature')}={temperature!r} must be a finite number >= 0 (0: greedy)")
     if top_k is not None and (not integer(top_k) or top_k < 0):
-        raise ConfigError(f"top_k={top_k!r} must be an integer >= 0 (0: no limit)")
+        raise ConfigError(f"{name('top_k')}={top_k!r} must be an integer >= 0 (0: no limit)")
     if seed is not None and (not integer(seed) or not 0 <= seed < 2**64):
-        raise ConfigError(f"seed={seed!r} must be an integer from 0 to 2**64 - 1")
+        raise ConfigError(f"{name('seed')}={seed!r} must be an integer from 0 to 2**64 - 1")
 
 
 def _padding_mask(attention_mask: Tensor, start: int, T: int) -> Tensor:
