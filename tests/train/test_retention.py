@@ -8,11 +8,18 @@ import json
 import warnings
 
 import pytest
-from checkpoint_helpers import flip_byte, model_and_optimizer, rewrite, snapshot, write_checkpoint
+from checkpoint_helpers import flip_byte, model_and_optimizer, rewrite, snapshot, tiny_model, write_checkpoint
+from safetensors.torch import save
 from train_helpers import read_metrics, tiny_overrides
 
 from hybridnorm import cli
-from hybridnorm.train.checkpoint import CheckpointError, list_checkpoints, save_checkpoint, verify_checkpoint
+from hybridnorm.train.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from hybridnorm.train.checkpoint import TrainState as State
 from hybridnorm.train.retention import checkpoint_for_resume, prune_checkpoints
 
@@ -151,3 +158,24 @@ def test_resume_keep_last_scenario_end_to_end(corpus, cache_dir, tmp_path, capsy
     assert sorted(p.name for p in (ckpts / "corrupt").iterdir()) == [f"step_0000{n}" for n in (10, 12, 15, 20)]
     for name, snap in {**bad, **last}.items():
         assert snapshot(ckpts / "corrupt" / name) == snap
+
+
+def test_a_replaced_weights_file_is_corrupt_but_a_changed_config_is_not(corpus, cache_dir, tmp_path, capsys,
+                                                                       no_peak_measure):
+    """Weights that disagree with the checkpoint's own optimizer state: corrupt, set aside, fallback. A
+    checkpoint that agrees with itself but not with this run's model: an error (exit 2), nothing moved."""
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    assert cli.main(_cli(corpus, cache_dir, run, "--max_steps=4", "--ckpt_interval=2")) == 0
+    other = {k: v.contiguous() for k, v in tiny_model().state_dict().items() if "blocks.1." not in k}
+    rewrite(ckpts / "step_000004", "model.safetensors", save(other))  # a valid file, vouched for by the manifest
+    with pytest.raises(CheckpointError, match=r"step_000004/model\.safetensors"):
+        check_checkpoint(ckpts / "step_000004")
+    capsys.readouterr()
+    assert cli.main(_cli(corpus, cache_dir, run, "--max_steps=4", "--resume")) == 0
+    assert _names(ckpts) == ["step_000002", "step_000004"] and _names(ckpts / "corrupt") == ["step_000004"]
+
+    before = snapshot(ckpts)
+    rc = cli.main(_cli(corpus, cache_dir, run, "--max_steps=6", "--resume", "--model.n_layers=3"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit this model" in err and "Traceback" not in err
+    assert snapshot(ckpts) == before

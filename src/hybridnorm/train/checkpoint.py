@@ -65,8 +65,15 @@ class TrainState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module,
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     sd = opt.state_dict()
+    # which weight each parameter index is: lets a checkpoint be checked against itself (optimizer state vs
+    # model.safetensors) without the model, so a swapped or replaced weights file reads as corrupt
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    live = [p for g in opt.param_groups for p in g["params"]]
+    names = {str(i): name_of[id(p)] for i, p in zip(ids, live, strict=True) if id(p) in name_of}
     tensors, scalars = {}, {}
     for idx, st in sd["state"].items():
         for name, value in st.items():
@@ -77,7 +84,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tens
     # the names and shapes written: a file later emptied or cut down no longer matches them (an optimizer
     # file holding no tensors is otherwise indistinguishable from a fresh AdamW)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars, "tensors": shapes}
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars, "tensors": shapes, "param_names": names}
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -128,7 +135,7 @@ def save_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.op
         tmp.mkdir()
         where = tmp / "model.safetensors"
         save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(where))
-        opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+        opt_tensors, opt_meta = _optimizer_tensors(optimizer, model)
         where = tmp / "optimizer.safetensors"
         save_file(opt_tensors, str(where))
         rng = {"torch": torch.get_rng_state()}

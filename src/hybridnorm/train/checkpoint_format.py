@@ -188,6 +188,10 @@ def _check_optimizer_meta(path: Path, meta: object) -> None:
         if not key_ok or not (value is None or isinstance(value, (int, float))):
             raise _bad_state(path, f"optimizer.scalars holds {key!r}: {value!r}; expected '<param index>.<name>': "
                                    "a number")
+    names = meta.get("param_names")  # absent in checkpoints written before it was recorded
+    if names is not None and not (isinstance(names, dict) and all(
+            k.isascii() and k.isdigit() and int(k) in ids and isinstance(v, str) for k, v in names.items())):
+        raise _bad_state(path, "'optimizer.param_names' must map parameter indices to weight names")
     tensors = meta.get("tensors")  # absent in checkpoints written before it was recorded
     if tensors is not None and not (isinstance(tensors, dict) and all(
             isinstance(s, list) and all(_is_int(n) and n >= 0 for n in s) for s in tensors.values())):
@@ -205,6 +209,8 @@ def read_state(ckpt: Path) -> dict[str, Any]:
             raise _bad_state(path, f"the key {key!r} is missing")
         if check is not None and not (check(body[key]) and body[key] >= 0):
             raise _bad_state(path, f"{key!r} must be an integer >= 0, got {body[key]!r}")
+    if (m := _STEP_DIR.match(ckpt.name)) and int(m.group(1)) != body["step"]:
+        raise _bad_state(path, f"'step' is {body['step']} in the checkpoint folder of step {int(m.group(1))}")
     _check_data(path, body["data"])
     _check_extra(path, body["extra"])
     _check_optimizer_meta(path, body["optimizer"])
@@ -237,12 +243,23 @@ def check_rng(ckpt: Path) -> None:
             raise CheckpointError(f"checkpoint file {path} is malformed: unexpected tensor {key!r}")
 
 
-def check_optimizer_file(ckpt: Path, meta: dict[str, Any]) -> None:
+def check_optimizer_file(ckpt: Path, meta: dict[str, Any], weights: dict[str, tuple[str, tuple[int, ...]]],
+                         ) -> None:
     """The tensors of ``optimizer.safetensors`` are those ``state.json`` describes: names ``state.<i>.<name>``
     for parameter indices of its param groups, the same state names for every parameter, and (when
-    recorded) exactly the names and shapes written — so an emptied file cannot silently reset AdamW."""
-    path, state_path = ckpt / "optimizer.safetensors", ckpt / "state.json"
+    recorded) exactly the names and shapes written — so an emptied file cannot silently reset AdamW — each
+    shaped like the weight (in ``weights``, the header of ``model.safetensors``) it belongs to."""
+    path, state_path, model_path = ckpt / "optimizer.safetensors", ckpt / "state.json", ckpt / "model.safetensors"
     header = tensor_header(path)
+    for idx, name in meta.get("param_names", {}).items():
+        if name not in weights:
+            raise CheckpointError(f"checkpoint file {model_path} does not hold the weight {name!r} that "
+                                  f"{state_path} names for parameter {idx}")
+        shape = weights[name][1]
+        for key, (_, got) in header.items():
+            if key.startswith(f"state.{idx}.") and got and got != shape:
+                raise CheckpointError(f"checkpoint files {model_path} and {path} disagree: {name} has shape "
+                                      f"{shape}, its optimizer state {key} {got}")
     ids = {p for g in meta["param_groups"] for p in g["params"]}
     names: dict[int, set[str]] = {}
     for key in header:
@@ -270,7 +287,7 @@ def check_checkpoint(path: str | Path) -> dict[str, Any]:
     ckpt = Path(path)
     verify_checkpoint(ckpt)
     body = read_state(ckpt)
-    tensor_header(ckpt / "model.safetensors")
+    weights = tensor_header(ckpt / "model.safetensors")
     check_rng(ckpt)
-    check_optimizer_file(ckpt, body["optimizer"])
+    check_optimizer_file(ckpt, body["optimizer"], weights)
     return body
