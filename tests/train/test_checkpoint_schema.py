@@ -87,6 +87,34 @@ def test_state_json_with_a_node_replaced_or_deleted(base, data):
         _refused_or_loaded(ckpt, "state.json")
 
 
+@pytest.mark.parametrize("value", [None, [], {}, "x", 0])
+def test_every_state_json_node_set_to_a_plain_value(base, tmp_path, value):
+    """Each node in turn (not a random sample of them), set to each of a few plain values of other types."""
+    body = json.loads((base / "state.json").read_text(encoding="utf-8"))
+    for i, path in enumerate(_paths(body)):
+        mutated = json.loads(json.dumps(body))
+        _mutate(mutated, path, False, value)
+        ckpt = _copy(base, str(tmp_path / str(i)))
+        rewrite(ckpt, "state.json", json.dumps(mutated).encode())
+        _refused_or_loaded(ckpt, "state.json")
+        shutil.rmtree(ckpt)
+
+
+@pytest.mark.parametrize("value", [None, [], {}, "x", -1, True, 1.5])
+def test_every_manifest_node_set_to_a_plain_value_or_deleted(base, tmp_path, value):
+    manifest = json.loads((base / "manifest.json").read_text(encoding="utf-8"))
+    for i, path in enumerate(_paths(manifest)):
+        for delete in (False, True):
+            mutated = json.loads(json.dumps(manifest))
+            _mutate(mutated, path, delete, value)
+            ckpt = _copy(base, str(tmp_path / f"{i}{delete}"))
+            (ckpt / "manifest.json").write_text(json.dumps(mutated), encoding="utf-8")
+            with pytest.raises(ConfigError, match=r"manifest\.json"):
+                check_checkpoint(ckpt)
+            _refused_or_loaded(ckpt, "manifest.json")
+            shutil.rmtree(ckpt)
+
+
 @SETTINGS
 @given(value=json_values, fix=st.booleans())
 def test_state_json_replaced_by_any_json_value(base, value, fix):

@@ -251,7 +251,7 @@ def check_optimizer_file(ckpt: Path, meta: dict[str, Any], weights: dict[str, tu
     shaped like the weight (in ``weights``, the header of ``model.safetensors``) it belongs to."""
     path, state_path, model_path = ckpt / "optimizer.safetensors", ckpt / "state.json", ckpt / "model.safetensors"
     header = tensor_header(path)
-    for idx, name in meta.get("param_names", {}).items():
+    for idx, name in (meta.get("param_names") or {}).items():
         if name not in weights:
             raise CheckpointError(f"checkpoint file {model_path} does not hold the weight {name!r} that "
                                   f"{state_path} names for parameter {idx}")
