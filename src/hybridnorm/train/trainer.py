@@ -18,7 +18,6 @@ is checkpointed, so a resumed run skips exactly the same steps.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hybridnorm.data import TokenBatches, prepare_data, val_batches
+from hybridnorm.data import PreparedData, TokenBatches, prepare_data
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM, lm_loss
@@ -55,6 +54,7 @@ from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, lr_at, set_lr
 from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.retention import ResumePoint, checkpoint_for_resume
+from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
 from hybridnorm.train.stop import StopFlag
 
 
@@ -69,29 +69,37 @@ class TrainResult:
     diverged: bool = False
 
 
-def _autocast(cfg: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def _prepare_data(cfg: TrainConfig, d: Dist) -> PreparedData:
+    """Rank 0 tokenizes into the shared cache while the others wait; then every rank maps the files."""
+    def prepare() -> PreparedData:
+        return prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
+                            cache_dir=cfg.data.cache_dir)
+
+    data = prepare() if d.is_main else None
+    barrier(d)
+    return data if data is not None else prepare()
 
 
-@torch.no_grad()
-def evaluate(model: TransformerLM, tokens, cfg: TrainConfig, device: torch.device, d: Dist) -> tuple[float, int]:
-    """Mean next-token loss over the first ``eval_batches`` global batches of validation windows (each rank
-    scores ``eval_batches`` of its ``batch_size``), so W ranks with batch B score the same windows as one
-    process with batch W·B; and the number of tokens scored (fewer than asked when validation is short)."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    n_batches = cfg.eval_batches * d.world_size  # val_batches counts batches of batch_size over all ranks
-    for x, y in val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size):
-        with _autocast(cfg, device):
-            loss = lm_loss(model(x.to(device)), y.to(device))
-        total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
+def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data: PreparedData, step: int,
+                ckpt: Path | None) -> None:
+    train_n, val_n = len(data.train_tokens()), len(data.val_tokens())
+    log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
+                f"vocab {cfg.model.vocab_size}; data: {cfg.data.source} ({train_n:,} train / {val_n:,} val tokens); "
+                f"unigram entropy {data.stats.unigram_entropy:.3f} nats" + (f"; resumed from {ckpt}" if ckpt else ""))
+    # what a reader of metrics.jsonl needs to judge the run without the data: the baseline a model that
+    # ignores context reaches (the unigram cross-entropy of val) and what was actually built
+    log.log(step, {"placement": cfg.model.resolved_placement().name, "init": cfg.model.resolved_init(),
+                   "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
+                   "train_tokens_available": train_n, "val_tokens_available": val_n}, "meta")
+
+
+def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.device, d: Dist) -> torch.nn.Module:
+    """The module the step calls; ``model`` itself stays the raw module (checkpoints, eval, clipping)."""
+    step_model: torch.nn.Module = torch.compile(model) if cfg.compile else model
     if d.enabled:
-        torch.distributed.all_reduce(total)
-    model.train(was_training)
-    return (float(total[0] / total[1]) if total[1] > 0 else float("nan")), int(total[1])
+        step_model = DDP(step_model, device_ids=[device.index] if device.type == "cuda" else None,
+                         find_unused_parameters=model.is_moe)  # an expert may get no tokens
+    return step_model
 
 
 def _check_run_dir(run_dir: Path, resume: bool, d: Dist) -> ResumePoint:
@@ -121,14 +129,7 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     found = _check_run_dir(run_dir, resume, d)
     ckpt = found.path
 
-    # Data: rank 0 tokenizes into the shared cache while the others wait, then everyone maps the files.
-    if d.is_main:
-        data = prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
-                            cache_dir=cfg.data.cache_dir)
-    barrier(d)
-    if not d.is_main:
-        data = prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
-                            cache_dir=cfg.data.cache_dir)
+    data = _prepare_data(cfg, d)
     vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size != vocab:  # the model's vocab always follows the tokenizer's
         cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
@@ -152,26 +153,12 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         data.tokenizer.save(run_dir)
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
-    log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
-                f"vocab {vocab}; data: {cfg.data.source} ({len(train_tokens):,} train / {len(val_tokens):,} "
-                f"val tokens); unigram entropy {data.stats.unigram_entropy:.3f} nats"
-                + (f"; resumed from {ckpt}" if ckpt else ""))
-    # what a reader of metrics.jsonl needs to judge the run without the data: the baseline a model that
-    # ignores context reaches (the unigram cross-entropy of val) and what was actually built
-    log.log(state.step, {"placement": cfg.model.resolved_placement().name, "init": cfg.model.resolved_init(),
-                         "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
-                         "train_tokens_available": len(train_tokens), "val_tokens_available": len(val_tokens)},
-            "meta")
+    _log_header(log, cfg, model, data, state.step, ckpt)
     for moved in found.set_aside:  # corrupt checkpoints skipped by --resume: moved, never deleted
         log.log(state.step, {"event": "corrupt_checkpoint_set_aside", "checkpoint": str(moved.checkpoint),
                              "moved_to": str(moved.moved_to), "reason": moved.reason}, "event")
 
-    step_model: torch.nn.Module = model  # `model` stays the raw module: checkpoints, eval, clipping
-    if cfg.compile:
-        step_model = torch.compile(model)
-    if d.enabled:
-        step_model = DDP(step_model, device_ids=[device.index] if device.type == "cuda" else None,
-                         find_unused_parameters=model.is_moe)  # an expert may get no tokens
+    step_model = _wrap_for_training(model, cfg, device, d)
     peak = measured_peak_flops(str(device), torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
     peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     fpt = flops_per_token(model, cfg.seq_len)
@@ -180,7 +167,7 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     diag = Diagnostics(model, cfg.diagnostics, enabled=d.is_main, forward_probes=not cfg.compile)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the divergence report's re-run
-        with _autocast(cfg, device):
+        with autocast(cfg.precision, device):
             return lm_loss(model(x), y)
 
     def run_eval() -> None:
@@ -201,30 +188,18 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     with StopFlag() as stop:
         while state.step < cfg.max_steps:
             set_lr(optimizer, lr := lr_at(state.step, cfg.optim, cfg.max_steps))
-            loss_sum, micro_batches = torch.zeros((), device=device), []
             with diag.capture(state.step + 1):  # hooks on collection steps only
-                for micro in range(cfg.grad_accum):
-                    x, y = (t.to(device) for t in next(batches))
-                    micro_batches.append((x, y))
-                    sync = contextlib.nullcontext() if (not d.enabled or micro == cfg.grad_accum - 1) \
-                        else step_model.no_sync()
-                    with sync, _autocast(cfg, device):
-                        logits, aux = step_model(x, return_aux=True)
-                        loss = lm_loss(logits, y)
-                        total = loss + aux["aux_loss"] if aux else loss
-                        (total / cfg.grad_accum).backward()
-                    loss_sum += loss.detach()
+                step = forward_backward(step_model, batches, cfg, device, d)
             diag.after_backward()  # per-layer gradient norms before clipping
-            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            loss_avg = all_reduce_mean(loss_sum / cfg.grad_accum, d)
+            grad_norm = clip_gradients(model, cfg.optim.grad_clip)
+            loss_avg, aux = all_reduce_mean(step.loss, d), step.aux
             loss_v, grad_norm_v = loss_avg.item(), grad_norm.item()
             if not (math.isfinite(loss_v) and math.isfinite(grad_norm_v)):
                 diag.pop_metrics()  # a collected step's own statistics become diag.last
                 report = divergence_report(
-                    step=state.step + 1, loss=loss_v, grad_norm=grad_norm_v, model=model, batches=micro_batches,
-                    loss_fn=loss_of, recent_losses=spikes.state_dict()["loss"], last_diagnostics=diag.last,
-                    last_checkpoint=str(latest_checkpoint(run_dir / "checkpoints")))
+                    step=state.step + 1, loss=loss_v, grad_norm=grad_norm_v, model=model,
+                    batches=step.micro_batches, loss_fn=loss_of, recent_losses=spikes.state_dict()["loss"],
+                    last_diagnostics=diag.last, last_checkpoint=str(latest_checkpoint(run_dir / "checkpoints")))
                 _report_divergence(run_dir, report, d, log)
                 result.diverged = True
                 break

@@ -1,0 +1,82 @@
+"""One optimizer step's arithmetic and the evaluation pass, split from the loop (torchtitan's ``train_step``).
+
+:func:`forward_backward` runs the ``grad_accum`` micro-batches of a step (bf16 autocast if asked; DDP
+all-reduces only on the last) and leaves the summed gradients in ``.grad``; :func:`clip_gradients` returns
+the total norm before clipping; the loop in ``trainer.py`` decides, from that loss and norm, whether the
+update is applied (non-finite guard, spike guard) and owns logging, evaluation, checkpoints and stopping.
+Nothing here reads a tensor back to the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from hybridnorm.data import val_batches
+from hybridnorm.nn.model import lm_loss
+from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.distributed import Dist
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for ``precision="bf16"``; fp32 runs as written."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@dataclass
+class StepGradients:
+    """What one forward/backward over a step's micro-batches leaves besides the gradients."""
+
+    loss: Tensor                              # () mean LM loss over the micro-batches (this rank)
+    aux: dict[str, Tensor]                    # MoE auxiliary losses of the last micro-batch ({} if dense)
+    micro_batches: list[tuple[Tensor, Tensor]]  # kept for the divergence report's re-run
+
+
+def forward_backward(step_model: nn.Module, batches: Iterator[tuple[Tensor, Tensor]], cfg: TrainConfig,
+                     device: torch.device, d: Dist) -> StepGradients:
+    """Accumulate the gradients of ``cfg.grad_accum`` micro-batches of ``batches`` into ``.grad``."""
+    loss_sum = torch.zeros((), device=device)
+    micro_batches: list[tuple[Tensor, Tensor]] = []
+    aux: dict[str, Tensor] = {}
+    for micro in range(cfg.grad_accum):
+        x, y = (t.to(device) for t in next(batches))  # (B, T) each
+        micro_batches.append((x, y))
+        last = micro == cfg.grad_accum - 1
+        sync = contextlib.nullcontext() if not d.enabled or last else step_model.no_sync()  # one all-reduce/step
+        with sync, autocast(cfg.precision, device):
+            logits, aux = step_model(x, return_aux=True)  # (B, T, V)
+            loss = lm_loss(logits, y)
+            total = loss + aux["aux_loss"] if aux else loss
+            (total / cfg.grad_accum).backward()
+        loss_sum += loss.detach()
+    return StepGradients(loss_sum / cfg.grad_accum, aux, micro_batches)
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> Tensor:
+    """Clip the total gradient norm to ``max_norm`` (0: no clipping); returns the norm before clipping."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device, d: Dist) -> tuple[float, int]:
+    """Mean next-token loss over the first ``eval_batches`` global batches of validation windows (each rank
+    scores ``eval_batches`` of its ``batch_size``), so W ranks with batch B score the same windows as one
+    process with batch W·B; and the number of tokens scored (fewer than asked when validation is short)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    n_batches = cfg.eval_batches * d.world_size  # val_batches counts batches of batch_size over all ranks
+    for x, y in val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size):
+        with autocast(cfg.precision, device):
+            loss = lm_loss(model(x.to(device)), y.to(device))
+        total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
+    if d.enabled:
+        torch.distributed.all_reduce(total)
+    model.train(was_training)
+    return (float(total[0] / total[1]) if total[1] > 0 else float("nan")), int(total[1])
