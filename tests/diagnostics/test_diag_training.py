@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import read_metrics, tiny_overrides
 
+import hybridnorm.train.step as train_step
 import hybridnorm.train.trainer as trainer
 from hybridnorm import TransformerLM, cli
 from hybridnorm.nn.block import Block
@@ -113,7 +114,7 @@ def test_nan_run_reports_step_and_module_and_keeps_checkpoint(make_cfg, tmp_path
 def _spike_loss_at(monkeypatch, step: int, first_step: int = 0, factor: float = 50.0) -> None:
     """Multiply the training loss (and so its gradients) by ``factor`` at optimizer step ``step`` (1-based),
     for a run whose first step is ``first_step + 1`` (grad_accum 1)."""
-    original, calls = trainer.lm_loss, [first_step]
+    original, calls = train_step.lm_loss, [first_step]
 
     def lm_loss(logits, targets, *args, **kwargs):
         loss = original(logits, targets, *args, **kwargs)
@@ -123,7 +124,7 @@ def _spike_loss_at(monkeypatch, step: int, first_step: int = 0, factor: float = 
                 return loss * factor
         return loss
 
-    monkeypatch.setattr(trainer, "lm_loss", lm_loss)
+    monkeypatch.setattr(train_step, "lm_loss", lm_loss)  # the loss of the training step (train/step.py)
 
 
 def test_skip_spikes_skips_the_same_step_straight_and_resumed(make_cfg, tmp_path, monkeypatch):
