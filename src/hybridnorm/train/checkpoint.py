@@ -1,4 +1,4 @@
-"""Checkpoints that never run code on load and never leave a half-written step behind.
+"""Writing checkpoints: never a half-written step behind, and (under FSDP) every rank writing its own shards.
 
 Layout of one checkpoint (``<run>/checkpoints/step_000100/``)::
 
@@ -10,12 +10,17 @@ Layout of one checkpoint (``<run>/checkpoints/step_000100/``)::
     manifest.json           size and sha256 of each file above — written last, so its presence marks
                             a complete checkpoint and its hashes catch truncation and corruption
 
+A run whose weights are FSDP shards writes the sharded layout instead (``model-r<rank>.safetensors`` and
+``optimizer-r<rank>.safetensors`` per rank, see :mod:`hybridnorm.train.checkpoint_layout`): every rank writes
+its own pieces into the same temporary folder, then rank 0 writes the rest and the manifest over all of them.
+Either layout loads into either kind of run (:mod:`hybridnorm.train.checkpoint_load`).
+
 A checkpoint is written to a temporary folder and renamed into place (atomic on POSIX); a save that fails
-(a full disk, an I/O error) removes its temporary folder, leaves every earlier checkpoint as it was and
-raises :class:`CheckpointSaveError` saying why. Then :func:`prune_checkpoints` keeps the newest
-``keep_last`` good ones (see :mod:`hybridnorm.train.retention`: corrupt ones are set aside, never deleted).
-Loading checks every file first (:func:`check_checkpoint`: hashes and schema) and changes nothing on disk;
-:func:`latest_checkpoint` skips a corrupt one with a warning naming the bad file.
+(a full disk, an I/O error — on any rank) removes its temporary folder, leaves every earlier checkpoint as it
+was and raises :class:`CheckpointSaveError` saying why (on every rank). Then :func:`prune_checkpoints` keeps
+the newest ``keep_last`` good ones (see :mod:`hybridnorm.train.retention`: corrupt ones are set aside, never
+deleted). Loading checks every file first (:func:`check_checkpoint`: hashes and schema) and changes nothing
+on disk; :func:`latest_checkpoint` skips a corrupt one with a warning naming the bad file.
 """
 
 from __future__ import annotations
@@ -26,13 +31,12 @@ import os
 import re
 import shutil
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from hybridnorm.errors import ConfigError
@@ -45,6 +49,10 @@ from hybridnorm.train.checkpoint_format import (
     sha256_of,
     verify_checkpoint,
 )
+from hybridnorm.train.checkpoint_layout import COMMON, KINDS, shard_file, shard_ranks
+from hybridnorm.train.checkpoint_load import TrainState, load_checkpoint, load_weights
+from hybridnorm.train.checkpoint_shards import is_sharded, local_pieces
+from hybridnorm.train.distributed import Dist, all_reduce_max, current_dist
 from hybridnorm.train.retention import prune_checkpoints
 
 __all__ = ["FILES", "CheckpointError", "CheckpointSaveError", "TrainState", "check_checkpoint", "latest_checkpoint",
@@ -55,18 +63,10 @@ class CheckpointSaveError(ConfigError):
     """Writing a checkpoint failed (disk full, I/O error, permissions); earlier checkpoints are untouched."""
 
 
-@dataclass
-class TrainState:
-    """Everything beyond weights and optimizer tensors that an exact resume needs."""
-
-    step: int = 0
-    tokens: int = 0
-    data: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def _optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module,
                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The optimizer's state tensors as they are (``DTensor`` shards under FSDP), keyed ``state.<i>.<name>``,
+    and what ``state.json`` records of it."""
     sd = opt.state_dict()
     # which weight each parameter index is: lets a checkpoint be checked against itself (optimizer state vs
     # model.safetensors) without the model, so a swapped or replaced weights file reads as corrupt
@@ -78,11 +78,11 @@ def _optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module,
     for idx, st in sd["state"].items():
         for name, value in st.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"state.{idx}.{name}"] = value.detach().contiguous().cpu()
+                tensors[f"state.{idx}.{name}"] = value.detach()
             else:
                 scalars[f"{idx}.{name}"] = value
-    # the names and shapes written: a file later emptied or cut down no longer matches them (an optimizer
-    # file holding no tensors is otherwise indistinguishable from a fresh AdamW)
+    # the names and (global) shapes written: a file later emptied or cut down no longer matches them (an
+    # optimizer file holding no tensors is otherwise indistinguishable from a fresh AdamW)
     shapes = {k: list(v.shape) for k, v in tensors.items()}
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars, "tensors": shapes, "param_names": names}
 
@@ -122,46 +122,132 @@ def _clear_leftovers(root: Path) -> None:
             os.replace(old, final)
 
 
-def save_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: TrainState, keep_last: int = 3) -> Path:
-    """Write ``ckpt_root/step_<step>`` atomically, then prune to the newest ``keep_last`` good checkpoints."""
-    root = Path(ckpt_root)
-    final = root / f"step_{state.step:06d}"
-    tmp = root / f".tmp_step_{state.step:06d}_{os.getpid()}"
-    where = root
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        _clear_leftovers(root)
-        tmp.mkdir()
-        where = tmp / "model.safetensors"
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(where))
-        opt_tensors, opt_meta = _optimizer_tensors(optimizer, model)
-        where = tmp / "optimizer.safetensors"
-        save_file(opt_tensors, str(where))
+def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+
+
+class _Save:
+    """One checkpoint being written into its temporary folder. ``where`` is the path being written, so a
+    failure names it."""
+
+    def __init__(self, root: Path, step: int, tmp_name: str) -> None:
+        self.root, self.final, self.tmp = root, root / f"step_{step:06d}", root / tmp_name
+        self.where = root
+
+    def begin(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        _clear_leftovers(self.root)
+        self.tmp.mkdir()
+
+    def tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.where = self.tmp / name
+        save_file(tensors, str(self.where))
+
+    def fsync(self, names: tuple[str, ...] | list[str]) -> None:
+        for name in names:  # data on disk before the manifest vouches for it
+            self.where = self.tmp / name
+            _fsync(self.where)
+
+    def seal(self, state: TrainState, body: dict[str, Any], data_files: tuple[str, ...] | list[str]) -> None:
+        """rng + state.json (``body`` adds to it), then the manifest over ``data_files`` and those two, then
+        rename into place. ``data_files`` were written and fsynced before."""
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        where = tmp / "rng.safetensors"
-        save_file(rng, str(where))
-        where = tmp / "state.json"
-        _write_json(where, {"step": state.step, "tokens": state.tokens, "data": state.data, "extra": state.extra,
-                            "optimizer": opt_meta})
-        for name in FILES[:3]:  # data on disk before the manifest vouches for it
-            where = tmp / name
-            _fsync(where)
-        where = tmp / MANIFEST
-        _write_json(where, {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_of(tmp / n)} for n in FILES})
-        where = final
-        _publish(tmp, final)
+        self.tensors("rng.safetensors", rng)
+        self.where = self.tmp / "state.json"
+        _write_json(self.where, {"step": state.step, "tokens": state.tokens, "data": state.data,
+                                 "extra": state.extra, **body})
+        self.fsync(["rng.safetensors"])
+        files = [*data_files, *COMMON]
+        self.where = self.tmp / MANIFEST
+        _write_json(self.where, {n: {"bytes": (self.tmp / n).stat().st_size, "sha256": sha256_of(self.tmp / n)}
+                                 for n in files})
+        self.where = self.final
+        _publish(self.tmp, self.final)
+
+    def error(self, e: BaseException | None) -> CheckpointSaveError:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        why = f"{_reason(e)} (writing {self.where})" if e is not None else "another rank failed to write (its " \
+            "error says why)"
+        return CheckpointSaveError(f"saving checkpoint {self.final} failed: {why}; its temporary folder was removed "
+                                   f"and the earlier checkpoints in {self.root} are kept")
+
+
+def _save_whole(save: _Save, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
+    try:
+        save.begin()
+        save.tensors("model.safetensors", _whole(model.state_dict()))
+        opt_tensors, opt_meta = _optimizer_tensors(optimizer, model)
+        save.tensors("optimizer.safetensors", _whole(opt_tensors))
+        save.fsync(FILES[:2])
+        save.seal(state, {"optimizer": opt_meta}, FILES[:2])
     except (OSError, SafetensorError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointSaveError(f"saving checkpoint {final} failed: {_reason(e)} (writing {where}); its "
-                                  f"temporary folder was removed and the earlier checkpoints in {root} are kept"
-                                  ) from None
-    for moved in prune_checkpoints(root, keep_last, final):
-        warnings.warn(f"set aside corrupt checkpoint {moved.checkpoint} -> {moved.moved_to}: {moved.reason}",
-                      stacklevel=2)
-    return final
+        raise save.error(e) from None
+
+
+def _agree(failed: BaseException | None, save: _Save, d: Dist) -> None:
+    """Every rank learns whether any failed, and then all raise: none may go on training (and wait forever
+    for the others) while another stops."""
+    if all_reduce_max(torch.tensor(float(failed is not None)), d).item() > 0:
+        raise save.error(failed) from None  # failed is None: this rank wrote its part, another did not
+
+
+def _save_sharded(save: _Save, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
+                  d: Dist) -> None:
+    """Every rank writes its pieces into rank 0's temporary folder; rank 0 then seals it over all of them."""
+    failed: BaseException | None = None
+    if d.is_main:
+        try:
+            save.begin()
+        except OSError as e:
+            failed = e
+    _agree(failed, save, d)  # also: the folder exists before anyone writes into it
+    weights = model.state_dict()
+    opt_tensors, opt_meta = _optimizer_tensors(optimizer, model)
+    pieces = local_pieces(weights, d.rank)
+    try:
+        if pieces or d.is_main:  # under HSDP a replica whose shards another group writes has nothing to add
+            names = [shard_file(k, d.rank) for k in KINDS]
+            save.tensors(names[0], pieces)
+            save.tensors(names[1], local_pieces(opt_tensors, d.rank))
+            save.fsync(names)
+    except (OSError, SafetensorError) as e:
+        failed = e
+    _agree(failed, save, d)
+    if d.is_main:
+        try:
+            ranks = shard_ranks(p.name for p in save.tmp.iterdir())
+            shards = {"ranks": ranks, "model": {k: list(v.shape) for k, v in weights.items()}}
+            save.seal(state, {"optimizer": opt_meta, "shards": shards},
+                      [shard_file(k, r) for r in ranks for k in KINDS])
+        except (OSError, SafetensorError) as e:
+            failed = e
+    _agree(failed, save, d)
+
+
+def save_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    state: TrainState, keep_last: int = 3, d: Dist | None = None) -> Path | None:
+    """Write ``ckpt_root/step_<step>`` atomically, then prune to the newest ``keep_last`` good checkpoints.
+
+    In a run of several processes (``d``) call it on every rank: a sharded (FSDP) model is saved by all of
+    them together; a whole one by rank 0 alone (the others return None at once)."""
+    d = d or current_dist()
+    root = Path(ckpt_root)
+    if is_sharded(model):
+        # one name every rank can compute (the run folder is locked: no other save of this step runs)
+        save = _Save(root, state.step, f".tmp_step_{state.step:06d}_sharded")
+        _save_sharded(save, model, optimizer, state, d)
+    elif d.is_main:
+        save = _Save(root, state.step, f".tmp_step_{state.step:06d}_{os.getpid()}")
+        _save_whole(save, model, optimizer, state)
+    else:
+        return None
+    if d.is_main:
+        for moved in prune_checkpoints(root, keep_last, save.final):
+            warnings.warn(f"set aside corrupt checkpoint {moved.checkpoint} -> {moved.moved_to}: {moved.reason}",
+                          stacklevel=2)
+    return save.final
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -193,93 +279,3 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
         except CheckpointError as e:
             warnings.warn(f"skipping bad checkpoint: {e}", stacklevel=2)
     return None
-
-
-def _read_tensors(f: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(f))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"checkpoint file {f} cannot be read: {e}") from None
-
-
-def _weights_for(ckpt: Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights of ``ckpt``, refused (naming the file) unless every name and shape fits ``model``."""
-    f = ckpt / "model.safetensors"
-    weights = _read_tensors(f)
-    expected = model.state_dict()
-    if set(weights) != set(expected):
-        missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-        raise CheckpointError(f"checkpoint file {f} does not fit this model: missing {missing[:5]}, "
-                              f"unexpected {extra[:5]}")
-    for k, v in weights.items():
-        if v.shape != expected[k].shape:
-            raise CheckpointError(f"checkpoint file {f}: {k} has shape {tuple(v.shape)}, "
-                                  f"the model expects {tuple(expected[k].shape)} (vocab or size mismatch?)")
-    return weights
-
-
-def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, meta: dict[str, Any]) -> dict[str, Any]:
-    """An ``opt.load_state_dict`` argument from ``ckpt``, refused unless its groups and tensor shapes fit ``opt``
-    (torch would accept a misfit here and fail, or worse not fail, at the next step)."""
-    f, sj = ckpt / "optimizer.safetensors", ckpt / "state.json"
-    saved, live = meta["param_groups"], opt.param_groups
-    sizes = [len(g["params"]) for g in saved], [len(g["params"]) for g in live]
-    if sizes[0] != sizes[1]:
-        raise CheckpointError(f"checkpoint files {sj} and {f} do not fit this optimizer: parameter groups of "
-                              f"sizes {sizes[0]}, this model's are {sizes[1]} (decay settings changed?)")
-    # torch pairs saved parameter indices with live parameters by position, group by group
-    shape_of = {i: p.shape for g, lg in zip(saved, live, strict=True) for i, p in zip(g["params"], lg["params"],
-                                                                                       strict=True)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in _read_tensors(f).items():
-        _, idx, name = key.split(".", 2)
-        if value.dim() and value.shape != shape_of[int(idx)]:
-            raise CheckpointError(f"checkpoint file {f}: {key} has shape {tuple(value.shape)} but its parameter "
-                                  f"(per {sj}) has {tuple(shape_of[int(idx)])}")
-        state.setdefault(int(idx), {})[name] = value
-    for key, value in meta["scalars"].items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in saved]
-    return {"state": state, "param_groups": groups}
-
-
-def _rng_states(ckpt: Path) -> dict[str, torch.Tensor]:
-    f = ckpt / "rng.safetensors"
-    rng = _read_tensors(f)
-    try:
-        torch.Generator().set_state(rng["torch"])  # a throwaway generator: refuse a bad state before using it
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint file {f} holds an invalid RNG state: {e}") from None
-    return rng
-
-
-def load_weights(path: str | Path, model: nn.Module) -> None:
-    """Load ``model.safetensors`` of a checkpoint folder (every file checked first) into ``model``."""
-    ckpt = Path(path)
-    check_checkpoint(ckpt)
-    model.load_state_dict(_weights_for(ckpt, model))
-
-
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    ) -> TrainState:
-    """Restore weights, optimizer and RNG from a checked checkpoint; return its :class:`TrainState`. Everything
-    is read and checked before anything is changed, so a refused checkpoint leaves model and optimizer as
-    they were."""
-    ckpt = Path(path)
-    body = check_checkpoint(ckpt)
-    weights = _weights_for(ckpt, model)
-    opt_state = _optimizer_state(ckpt, optimizer, body["optimizer"]) if optimizer is not None else None
-    rng = _rng_states(ckpt)
-    model.load_state_dict(weights)
-    if optimizer is not None:
-        try:
-            optimizer.load_state_dict(opt_state)
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint files {ckpt / 'state.json'} and {ckpt / 'optimizer.safetensors'} "
-                                  f"do not load into this optimizer: {e}") from None
-    torch.set_rng_state(rng["torch"])
-    cuda = [rng[k] for k in sorted((k for k in rng if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-    return TrainState(step=body["step"], tokens=body["tokens"], data=body["data"], extra=body["extra"])

@@ -4,10 +4,11 @@ A checkpoint is written once and trusted never: its files may be truncated by a 
 storage, or edited by hand (with a manifest rewritten to match). So nothing in a checkpoint reaches
 ``torch`` unchecked: :func:`verify_checkpoint` compares every file with ``manifest.json`` (size and sha256)
 and :func:`check_checkpoint` also checks the *schema* of each file — JSON types and required keys of
-``state.json``, the tensor names, dtypes and shapes of the three safetensors files, and that the optimizer
-tensors are the ones ``state.json`` says were written. Any failure is a :class:`CheckpointError` (a
-``ConfigError``: one ``error:`` line on the command line) naming the exact file at fault; no other
-exception type escapes and nothing on disk is changed.
+``state.json``, the tensor names, dtypes and shapes of the safetensors files, and that the optimizer
+tensors are the ones ``state.json`` says were written. Both layouts (:mod:`hybridnorm.train.checkpoint_layout`)
+pass the same checks; a sharded one as the whole tensors its pieces tile. Any failure is a
+:class:`CheckpointError` (a ``ConfigError``: one ``error:`` line on the command line) naming the exact file
+at fault; no other exception type escapes and nothing on disk is changed.
 """
 
 from __future__ import annotations
@@ -19,12 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from hybridnorm.errors import ConfigError
+from hybridnorm.train.checkpoint_layout import (
+    FILES,
+    MANIFEST,
+    CheckpointError,
+    index_pieces,
+    layout_files,
+    shard_ranks,
+    tensor_header,
+)
 
-FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
-MANIFEST = "manifest.json"
+__all__ = ["FILES", "MANIFEST", "CheckpointError", "check_checkpoint", "list_checkpoints", "read_state",
+           "sha256_of", "verify_checkpoint"]
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _OPT_KEY = re.compile(r"^state\.([0-9]+)\.([A-Za-z_][A-Za-z0-9_]*)$")
@@ -34,13 +43,6 @@ _GROUP_NUMBERS = ("lr", "eps", "weight_decay", "initial_lr")
 _GROUP_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 # the data-loader position TokenBatches.state_dict writes: all integers
 _DATA_KEYS = ("epoch", "step", "seed", "seq_len", "global_batch", "n_tokens")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint is missing, truncated, corrupt or malformed; the message names the file."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.splitlines()))  # the CLI prints it as ONE error: line
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
@@ -82,7 +84,8 @@ def read_json(path: Path) -> Any:
 
 
 def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
-    """``manifest.json``: for each of :data:`FILES`, ``{"bytes": int >= 0, "sha256": 64 hex digits}``."""
+    """``manifest.json``: for each file of its layout (:func:`~hybridnorm.train.checkpoint_layout.layout_files`),
+    ``{"bytes": int >= 0, "sha256": 64 hex digits}``."""
     path = ckpt / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: {path} is missing")
@@ -90,7 +93,7 @@ def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint file {path} is malformed: expected a JSON object, got "
                               f"{type(manifest).__name__}")
-    for name in FILES:
+    for name in layout_files(manifest, path):
         entry = manifest.get(name)
         if entry is None:
             raise CheckpointError(f"checkpoint file {path} is malformed: no entry for {name}")
@@ -101,11 +104,13 @@ def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
     return manifest
 
 
-def verify_checkpoint(path: str | Path) -> None:
-    """Raise :class:`CheckpointError` naming the first missing, truncated or corrupt file."""
+def verify_checkpoint(path: str | Path) -> tuple[str, ...]:
+    """Raise :class:`CheckpointError` naming the first missing, truncated or corrupt file; else return the
+    names of the files checked."""
     ckpt = Path(path)
     manifest = read_manifest(ckpt)
-    for name in FILES:
+    files = layout_files(manifest, ckpt / MANIFEST)
+    for name in files:
         f, want = ckpt / name, manifest[name]
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")
@@ -118,6 +123,7 @@ def verify_checkpoint(path: str | Path) -> None:
                                   f"{ckpt / MANIFEST} records {want['bytes']})")
         if digest != want["sha256"]:
             raise CheckpointError(f"checkpoint file {f} is corrupt (sha256 differs from {ckpt / MANIFEST})")
+    return files
 
 
 def _bad_state(path: Path, what: str) -> CheckpointError:
@@ -217,19 +223,6 @@ def read_state(ckpt: Path) -> dict[str, Any]:
     return body
 
 
-def tensor_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Name → (dtype, shape) of a safetensors file, read from its header alone (no tensor data)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            out = {}
-            for key in f.keys():
-                sl = f.get_slice(key)
-                out[key] = (sl.get_dtype(), tuple(sl.get_shape()))
-            return out
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint file {path} cannot be read as safetensors: {e}"[:400]) from None
-
-
 def check_rng(ckpt: Path) -> None:
     """``rng.safetensors``: the CPU generator state ``torch`` (uint8, this torch's length), CUDA ones optional."""
     path = ckpt / "rng.safetensors"
@@ -243,14 +236,16 @@ def check_rng(ckpt: Path) -> None:
             raise CheckpointError(f"checkpoint file {path} is malformed: unexpected tensor {key!r}")
 
 
-def check_optimizer_file(ckpt: Path, meta: dict[str, Any], weights: dict[str, tuple[str, tuple[int, ...]]],
-                         ) -> None:
-    """The tensors of ``optimizer.safetensors`` are those ``state.json`` describes: names ``state.<i>.<name>``
-    for parameter indices of its param groups, the same state names for every parameter, and (when
-    recorded) exactly the names and shapes written — so an emptied file cannot silently reset AdamW — each
-    shaped like the weight (in ``weights``, the header of ``model.safetensors``) it belongs to."""
-    path, state_path, model_path = ckpt / "optimizer.safetensors", ckpt / "state.json", ckpt / "model.safetensors"
-    header = tensor_header(path)
+Header = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
+
+
+def check_optimizer_file(ckpt: Path, meta: dict[str, Any], weights: Header, header: Header, path: Path | str,
+                         model_path: Path | str) -> None:
+    """The optimizer tensors (``header``, read from ``path``) are those ``state.json`` describes: names
+    ``state.<i>.<name>`` for parameter indices of its param groups, the same state names for every parameter,
+    and (when recorded) exactly the names and shapes written — so an emptied file cannot silently reset
+    AdamW — each shaped like the weight (in ``weights``, read from ``model_path``) it belongs to."""
+    state_path = ckpt / "state.json"
     for idx, name in (meta.get("param_names") or {}).items():
         if name not in weights:
             raise CheckpointError(f"checkpoint file {model_path} does not hold the weight {name!r} that "
@@ -281,13 +276,49 @@ def check_optimizer_file(ckpt: Path, meta: dict[str, Any], weights: dict[str, tu
                                   (f"; missing {lost}" if lost else "; shapes differ") + ")")
 
 
+def _check_shards_meta(ckpt: Path, body: dict[str, Any], files: tuple[str, ...]) -> list[int]:
+    """``state.json``'s ``shards`` (sharded layout only): the writing ranks, which must be those whose files
+    the manifest lists, and each weight's global shape; optimizer shapes must be recorded too."""
+    path = ckpt / "state.json"
+    ranks = shard_ranks(files)
+    shards = body.get("shards")
+    if not ranks:
+        if shards is not None:
+            raise _bad_state(path, f"'shards' describes a sharded checkpoint, but {ckpt / MANIFEST} lists "
+                                   "model.safetensors")
+        return []
+    if not isinstance(shards, dict):
+        raise _bad_state(path, f"a sharded checkpoint needs 'shards' (an object), got {shards!r}")
+    if shards.get("ranks") != ranks:
+        raise _bad_state(path, f"'shards.ranks' is {shards.get('ranks')!r}, but {ckpt / MANIFEST} lists the "
+                               f"files of ranks {ranks}")
+    model = shards.get("model")
+    if not (isinstance(model, dict) and model and all(
+            isinstance(s, list) and all(_is_int(n) and n >= 0 for n in s) for s in model.values())):
+        raise _bad_state(path, "'shards.model' must map weight names to shapes (lists of integers)")
+    if body["optimizer"].get("tensors") is None:
+        raise _bad_state(path, "a sharded checkpoint must record 'optimizer.tensors' (the global shapes)")
+    return ranks
+
+
 def check_checkpoint(path: str | Path) -> dict[str, Any]:
     """Everything short of loading: :func:`verify_checkpoint`, then the schema of every file. Returns the
     checked ``state.json`` body. Raises :class:`CheckpointError` naming the first file at fault."""
     ckpt = Path(path)
-    verify_checkpoint(ckpt)
+    files = verify_checkpoint(ckpt)
     body = read_state(ckpt)
-    weights = tensor_header(ckpt / "model.safetensors")
+    ranks = _check_shards_meta(ckpt, body, files)
+    meta = body["optimizer"]
+    if ranks:  # each tensor as the whole its pieces tile
+        state_path = ckpt / "state.json"
+        model_path, opt_path = f"{ckpt}/model-r*.safetensors", f"{ckpt}/optimizer-r*.safetensors"
+        weights = {k: (t.dtype, t.shape) for k, t in
+                   index_pieces(ckpt, "model", ranks, body["shards"]["model"], state_path).items()}
+        optim = {k: (t.dtype, t.shape) for k, t in
+                 index_pieces(ckpt, "optimizer", ranks, meta["tensors"], state_path).items()}
+    else:
+        model_path, opt_path = ckpt / "model.safetensors", ckpt / "optimizer.safetensors"
+        weights, optim = tensor_header(model_path), tensor_header(opt_path)
     check_rng(ckpt)
-    check_optimizer_file(ckpt, body["optimizer"], weights)
+    check_optimizer_file(ckpt, meta, weights, optim, opt_path, model_path)
     return body

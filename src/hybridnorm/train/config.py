@@ -60,6 +60,9 @@ class TrainConfig(Config):
                                               # keeping the LR schedule of max_steps (resume later); 0 = no limit
     precision: Literal["fp32", "bf16"] = "bf16"  # bf16: autocast
     compile: bool = False
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate (DDP) or shard (FSDP2) the model;
+                                              # a single process ignores it (train/parallel.py)
+    parallel_replicate: int = bounded(1, ge=1)  # fsdp: R > 1 is HSDP, R replicas x (world / R) shards
     device: str = "auto"                      # auto | cpu | cuda | cuda:N | mps
     seed: int = bounded(0, ge=0)
     log_interval: int = bounded(10, ge=1)
@@ -77,6 +80,9 @@ class TrainConfig(Config):
             raise ConfigError(f"device={self.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'")
         if not self.out_dir.strip():
             raise ConfigError("out_dir='' must name a run folder")
+        if self.parallel_replicate > 1 and self.parallel != "fsdp":
+            raise ConfigError(f"parallel_replicate={self.parallel_replicate} needs parallel='fsdp' (HSDP: "
+                              "replicas of a sharded model)")
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,4 +1,5 @@
-"""torch.distributed set-up from the environment ``torchrun`` provides (gloo on CPU, nccl on GPU)."""
+"""torch.distributed set-up from the environment ``torchrun`` provides (gloo on CPU; on GPU nccl for CUDA
+tensors and gloo for CPU ones) and the few collectives the loop and the checkpoints use."""
 
 from __future__ import annotations
 
@@ -56,7 +57,16 @@ def init_distributed(device: torch.device) -> Dist:
     if world <= 1:
         return Dist()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # On GPU, nccl carries the CUDA tensors (gradients, FSDP's all-gathers) and gloo the small CPU ones the
+        # loop reduces (stop flags, eval sums, checkpoint save status): nccl alone refuses CPU tensors.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def current_dist() -> Dist:
+    """This process's place in the process group already joined (a single process when there is none)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Dist()
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 

@@ -13,10 +13,12 @@ Rules, each there because breaking it once loses a run:
   none but there were checkpoints (now, or set aside before), resuming is refused: restarting at step 0
   would silently throw the run's progress away.
 
-"Good" means :func:`check_checkpoint` passes (hashes and the schema of every file). Hashing gigabytes at
-every save would be slow, so a checkpoint that passed in this process is remembered with the size, mtime
-and inode of each of its files, and checked again only when one of them changes (each checkpoint is thus
-hashed about once more in a run's life, at the first save after it settled, not at every save).
+Both checkpoint layouts (whole, or sharded by FSDP ranks: :mod:`hybridnorm.train.checkpoint_layout`) follow
+these rules alike. "Good" means :func:`check_checkpoint` passes (hashes and the schema of every file).
+Hashing gigabytes at every save would be slow, so a checkpoint that passed in this process is remembered
+with the size, mtime and inode of each of its files, and checked again only when one of them changes (each
+checkpoint is thus hashed about once more in a run's life, at the first save after it settled, not at every
+save).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def is_hf_folder(path: str | Path) -> bool:
 
 
 def open_run(path: str | Path) -> Run:
-    """``path`` is a run folder (its newest good checkpoint is used) or a ``checkpoints/step_*`` folder."""
+    """``path`` is a run folder (its newest good checkpoint is used) or a ``checkpoints/step_*`` folder, written
+    by one process or sharded by several (FSDP): the model is loaded whole either way."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"no run folder or checkpoint at {path}")

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from hybridnorm.data import val_batches
 from hybridnorm.nn.model import lm_loss
 from hybridnorm.train.config import TrainConfig
-from hybridnorm.train.distributed import Dist
+from hybridnorm.train.distributed import Dist, all_reduce_max
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -60,7 +61,10 @@ def forward_backward(step_model: nn.Module, batches: Iterator[tuple[Tensor, Tens
 
 def clip_gradients(model: nn.Module, max_norm: float) -> Tensor:
     """Clip the total gradient norm to ``max_norm`` (0: no clipping); returns the norm before clipping."""
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    # FSDP: the norm of DTensor gradients comes back as a replicated DTensor (all-reduced over the shards);
+    # its plain value is the same on every rank and is what the loop reads
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 @torch.no_grad()
@@ -72,11 +76,18 @@ def evaluate(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device, d
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     n_batches = cfg.eval_batches * d.world_size  # val_batches counts batches of batch_size over all ranks
+    n_run = 0
     for x, y in val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size):
         with autocast(cfg.precision, device):
             loss = lm_loss(model(x.to(device)), y.to(device))
         total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
+        n_run += 1
     if d.enabled:
         torch.distributed.all_reduce(total)
+        # an FSDP forward all-gathers weights with every rank: a rank given fewer batches (a short validation
+        # split) runs unscored one-token forwards until all have run as many
+        for _ in range(int(all_reduce_max(torch.tensor(float(n_run)), d).item()) - n_run):
+            with autocast(cfg.precision, device):
+                model(torch.zeros(1, 1, dtype=torch.long, device=device))
     model.train(was_training)
     return (float(total[0] / total[1]) if total[1] > 0 else float("nan")), int(total[1])

@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hybridnorm.data import PreparedData, TokenBatches, prepare_data
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
@@ -52,6 +51,7 @@ from hybridnorm.train.flops import flops_per_token, measured_peak_flops
 from hybridnorm.train.lock import claim_run_dir
 from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, lr_at, set_lr
+from hybridnorm.train.parallel import data_parallel, shard_model
 from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.retention import ResumePoint, checkpoint_for_resume
 from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
@@ -94,12 +94,12 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
 
 
 def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.device, d: Dist) -> torch.nn.Module:
-    """The module the step calls; ``model`` itself stays the raw module (checkpoints, eval, clipping)."""
+    """The module the step calls; ``model`` itself stays the raw module (checkpoints, eval, clipping). Under
+    ``--parallel=fsdp`` this shards ``model`` in place (train/parallel.py), so call it before building the
+    optimizer: the optimizer must hold the sharded parameters."""
+    shard_model(model, cfg, device, d)
     step_model: torch.nn.Module = torch.compile(model) if cfg.compile else model
-    if d.enabled:
-        step_model = DDP(step_model, device_ids=[device.index] if device.type == "cuda" else None,
-                         find_unused_parameters=model.is_moe)  # an expert may get no tokens
-    return step_model
+    return data_parallel(step_model, model, cfg, device, d)  # DDP, FSDP's no_sync adapter, or itself
 
 
 def _check_run_dir(run_dir: Path, resume: bool, d: Dist) -> ResumePoint:
@@ -138,6 +138,7 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     torch.manual_seed(cfg.seed)
     check_fits(cfg.model, device, training=True, what=f"training this model on {device}")
     model = TransformerLM(cfg.model).to(device)
+    step_model = _wrap_for_training(model, cfg, device, d)
     optimizer = build_optimizer(model, cfg.optim)
     batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,
                            world_size=d.world_size)
@@ -158,7 +159,6 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
         log.log(state.step, {"event": "corrupt_checkpoint_set_aside", "checkpoint": str(moved.checkpoint),
                              "moved_to": str(moved.moved_to), "reason": moved.reason}, "event")
 
-    step_model = _wrap_for_training(model, cfg, device, d)
     peak = measured_peak_flops(str(device), torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
     peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     fpt = flops_per_token(model, cfg.seq_len)
@@ -178,8 +178,7 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     def save() -> None:
         state.data = batches.state_dict()
         state.extra["spike_detector"] = spikes.state_dict()
-        if d.is_main:
-            save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last)
+        save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last, d)  # FSDP: every rank writes
         barrier(d)
 
     result = TrainResult(run_dir, state.step, float("nan"), None, data.stats.unigram_entropy)

@@ -1,0 +1,139 @@
+"""Reading a checkpoint back into a model and its optimizer — whatever layout wrote it, whatever this run's is.
+
+Everything is checked (:func:`~hybridnorm.train.checkpoint_format.check_checkpoint`: hashes and the schema of
+every file) and read before anything is changed, so a refused checkpoint leaves model and optimizer as they
+were. Weights and optimizer state are read slice by slice (:class:`~hybridnorm.train.checkpoint_shards.
+TensorReader`): each live tensor gets exactly its part — all of it in one process, its ``DTensor`` shard
+under FSDP — from whichever stored pieces hold it. That is resharding: a checkpoint of 2 FSDP ranks resumes
+in 1 process (or generate/eval/export opens it), one of 1 process resumes on 2 FSDP ranks, and N on M.
+Only safetensors and JSON are read; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from hybridnorm.train.checkpoint_format import CheckpointError, check_checkpoint
+from hybridnorm.train.checkpoint_shards import TensorReader, like, local_box
+
+
+@dataclass
+class TrainState:
+    """Everything beyond weights and optimizer tensors that an exact resume needs."""
+
+    step: int = 0
+    tokens: int = 0
+    data: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _shards(body: dict[str, Any]) -> tuple[list[int], dict[str, list[int]] | None]:
+    """The writing ranks of a sharded checkpoint and its weight shapes; ``([], None)`` when unsharded."""
+    shards = body.get("shards") or {}
+    return shards.get("ranks", []), shards.get("model")
+
+
+def _file_label(ckpt: Path, kind: str, ranks: list[int]) -> str:
+    return f"{ckpt}/{kind}-r*.safetensors" if ranks else str(ckpt / f"{kind}.safetensors")
+
+
+def _weights_for(ckpt: Path, model: nn.Module, body: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """This process's part of every weight of ``ckpt``, as ``model.load_state_dict`` takes it; refused (naming
+    the file) unless every name and global shape fits ``model``."""
+    ranks, shapes = _shards(body)
+    f = _file_label(ckpt, "model", ranks)
+    expected = model.state_dict()
+    with TensorReader(ckpt, "model", ranks, shapes) as reader:
+        if set(reader.index) != set(expected):
+            missing, extra = sorted(set(expected) - set(reader.index)), sorted(set(reader.index) - set(expected))
+            raise CheckpointError(f"checkpoint file {f} does not fit this model: missing {missing[:5]}, "
+                                  f"unexpected {extra[:5]}")
+        for k, v in expected.items():
+            if reader.shape(k) != tuple(v.shape):
+                raise CheckpointError(f"checkpoint file {f}: {k} has shape {reader.shape(k)}, "
+                                      f"the model expects {tuple(v.shape)} (vocab or size mismatch?)")
+        return {k: like(reader.read(k, *local_box(v)), v) for k, v in expected.items()}
+
+
+def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any]) -> dict[str, Any]:
+    """An ``opt.load_state_dict`` argument from ``ckpt``, refused unless its groups and tensor shapes fit ``opt``
+    (torch would accept a misfit here and fail, or worse not fail, at the next step). Each state tensor is
+    read as its parameter's part (a ``DTensor`` shard of it under FSDP)."""
+    meta, (ranks, _) = body["optimizer"], _shards(body)
+    f, sj = _file_label(ckpt, "optimizer", ranks), ckpt / "state.json"
+    saved, live = meta["param_groups"], opt.param_groups
+    sizes = [len(g["params"]) for g in saved], [len(g["params"]) for g in live]
+    if sizes[0] != sizes[1]:
+        raise CheckpointError(f"checkpoint files {sj} and {f} do not fit this optimizer: parameter groups of "
+                              f"sizes {sizes[0]}, this model's are {sizes[1]} (decay settings changed?)")
+    # torch pairs saved parameter indices with live parameters by position, group by group
+    param_of = {i: p for g, lg in zip(saved, live, strict=True) for i, p in zip(g["params"], lg["params"],
+                                                                                 strict=True)}
+    state: dict[int, dict[str, Any]] = {}
+    with TensorReader(ckpt, "optimizer", ranks, meta.get("tensors")) as reader:
+        for key in reader.index:
+            _, idx, name = key.split(".", 2)
+            p, shape = param_of[int(idx)], reader.shape(key)
+            if shape and shape != tuple(p.shape):
+                raise CheckpointError(f"checkpoint file {f}: {key} has shape {shape} but its parameter "
+                                      f"(per {sj}) has {tuple(p.shape)}")
+            # a 0-d entry (AdamW's step count) is one whole tensor; the others are shaped (and sharded) like p
+            state.setdefault(int(idx), {})[name] = like(reader.read(key, *local_box(p)), p) if shape \
+                else reader.read(key)
+    for key, value in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in saved]
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_states(ckpt: Path) -> dict[str, torch.Tensor]:
+    f = ckpt / "rng.safetensors"
+    try:
+        rng = load_file(str(f))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"checkpoint file {f} cannot be read: {e}") from None
+    try:
+        torch.Generator().set_state(rng["torch"])  # a throwaway generator: refuse a bad state before using it
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint file {f} holds an invalid RNG state: {e}") from None
+    return rng
+
+
+def load_weights(path: str | Path, model: nn.Module) -> None:
+    """Load the weights of a checkpoint folder (every file checked first) into ``model``, whole or sharded."""
+    ckpt = Path(path)
+    body = check_checkpoint(ckpt)
+    model.load_state_dict(_weights_for(ckpt, model, body))
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    ) -> TrainState:
+    """Restore weights, optimizer and RNG from a checked checkpoint; return its :class:`TrainState`. Everything
+    is read and checked before anything is changed, so a refused checkpoint leaves model and optimizer as
+    they were. Every rank of a run calls it (each reads its own part); the RNG state is rank 0's."""
+    ckpt = Path(path)
+    body = check_checkpoint(ckpt)
+    weights = _weights_for(ckpt, model, body)
+    opt_state = _optimizer_state(ckpt, optimizer, body) if optimizer is not None else None
+    rng = _rng_states(ckpt)
+    model.load_state_dict(weights)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(opt_state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint files {ckpt / 'state.json'} and "
+                                  f"{_file_label(ckpt, 'optimizer', _shards(body)[0])} "
+                                  f"do not load into this optimizer: {e}") from None
+    torch.set_rng_state(rng["torch"])
+    cuda = [rng[k] for k in sorted((k for k in rng if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    return TrainState(step=body["step"], tokens=body["tokens"], data=body["data"], extra=body["extra"])
