@@ -82,9 +82,11 @@ class SDPA(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, spec: BlockSpec, norm: str,
-                 eps: float, norm_scale: float = 1.0, head_dim: int | None = None, fast: bool = True) -> None:
+                 eps: float, norm_scale: float = 1.0, head_dim: int | None = None, fast: bool = True,
+                 layer_idx: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.layer_idx = layer_idx  # this layer's slot in a KVCache (HF's layer_idx); read only with a cache
         self.head_dim = d = head_dim or d_model // n_heads
         self.w_qkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * d, bias=False)  # rows [q; k; v]
         self.w_o = nn.Linear(n_heads * d, d_model, bias=False)
@@ -115,7 +117,7 @@ class Attention(nn.Module):
                                     (self.v_norm, self.n_kv_heads)) if m is not None]
 
     def _use_fused(self) -> bool:
-        if self._fused_range is None:
+        if self._fused_range is None or not kernels.active(self.fast):
             return False
         norms = [m for m in (self.q_norm, self.k_norm, self.v_norm) if m is not None]
         return (not has_hooks(*norms) and all(type(m) is RMSNorm for m in norms)
@@ -143,7 +145,7 @@ class Attention(nn.Module):
         return norm(x.flatten(-2)).view_as(x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
-                layer: int = 0, mask: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None) -> Tensor:
         """``mask`` (B, 1, T, S) bool, True = may attend, replaces the causal rule when given (padded
         batches, see :meth:`TransformerLM.forward`); S counts the cached keys too."""
         B, T, _ = x.shape
@@ -152,7 +154,7 @@ class Attention(nn.Module):
         if self._use_fused():
             q, k, v = self._fused_qkv(qkv, cos, sin)  # the lines of the else branch in one Function
         else:
-            rope = kernels.rope if self.fast else apply_rope
+            rope = kernels.rope if kernels.active(self.fast) else apply_rope
             q, k, v = qkv.split((H, Hkv, Hkv), dim=2)  # (B, T, H, D), (B, T, Hkv, D), (B, T, Hkv, D)
             if self.v_norm is not None:
                 v = self._norm(self.v_norm, v)
@@ -166,7 +168,7 @@ class Attention(nn.Module):
         start = 0
         if cache is not None:
             start = cache.pos
-            k, v = cache.update(layer, k, v)  # (B, Hkv, start + T, D)
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, start + T, D)
         causal = mask is None and start == 0 and T > 1
         if mask is None and start > 0 and T > 1:  # a chunk after a cached prefix: query i sees keys <= start + i
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)

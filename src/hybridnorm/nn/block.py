@@ -16,7 +16,6 @@ slots are on (see ``hybridnorm.placements``). Module names of the slots: ``attn_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 from torch import Tensor, nn
 
@@ -44,7 +43,7 @@ class Block(nn.Module):
         self.ffn_norm, self.ffn_out_norm, self.ffn_post_norm = (
             slot(spec.ffn.in_norm), slot(spec.ffn.out_norm), slot(spec.ffn.post_norm))
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, spec, cfg.norm, cfg.norm_eps, scale,
-                              head_dim=cfg.head_dim, fast=fast)
+                              head_dim=cfg.head_dim, fast=fast, layer_idx=layer)
         if cfg.moe is None:
             self.ffn: nn.Module = SwiGLU(cfg.d_model, cfg.ffn_hidden_size, fast)
         else:
@@ -52,11 +51,13 @@ class Block(nn.Module):
 
             self.ffn = MoEFFN(cfg.d_model, cfg.moe.expert_hidden_size or cfg.ffn_hidden_size, cfg.moe)
 
-    def _sublayer(self, s: Tensor, x: Tensor, spec: SublayerSpec, op: Callable[[Tensor], Tensor],
+    def _sublayer(self, s: Tensor, x: Tensor, spec: SublayerSpec, op: nn.Module, args: tuple,
                   in_norm: nn.Module | None, out_norm: nn.Module | None,
                   post_norm: nn.Module | None) -> Tensor:
+        # op is the sublayer module itself, called with its extra args (not a closure over them): torch.compile
+        # guards a closure by its code object, so a fresh one per call would force a recompile on every block
         u = in_norm(s) if in_norm is not None else s
-        h = op(u)
+        h = op(u, *args)
         if out_norm is not None:
             h = out_norm(h)
         if spec.skip == "input":
@@ -76,10 +77,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 mask: Tensor | None = None) -> Tensor:
-        def attn(u: Tensor) -> Tensor:
-            return self.attn(u, cos, sin, cache, self.layer, mask)
-
-        y = self._sublayer(x, x, self.spec.attn, attn,
+        y = self._sublayer(x, x, self.spec.attn, self.attn, (cos, sin, cache, mask),
                            self.attn_norm, self.attn_out_norm, self.attn_post_norm)  # (B, T, d)
-        return self._sublayer(y, x, self.spec.ffn, self.ffn,
+        return self._sublayer(y, x, self.spec.ffn, self.ffn, (),
                               self.ffn_norm, self.ffn_out_norm, self.ffn_post_norm)

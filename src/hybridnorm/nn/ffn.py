@@ -22,7 +22,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.w_in(x)  # (..., 2·hidden)
-        if self.fast:
+        if kernels.active(self.fast):
             h = kernels.swiglu(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)  # (..., hidden) each

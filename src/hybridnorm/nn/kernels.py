@@ -15,6 +15,9 @@ and fast vs plain logits and gradients for every placement).
 
 Without autograd (``torch.no_grad()`` or inputs that need no gradient) each entry point runs the same
 forward helper without the Function (nothing is saved for backward).
+
+Under ``torch.compile`` the modules run their plain twins instead (:func:`active`): the compiler fuses the
+plain elementwise math itself, and these Functions' ``out=`` writes into strided views would break its graph.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridnorm.nn.rope import apply_rope, rope_cos_sin
+
+
+def active(fast: bool) -> bool:
+    """Whether a module built with ``fast`` (``ModelConfig.fast_kernels``) runs its kernel now: not while
+    torch.compile traces it (see the module docstring), where the plain twin is the faster code."""
+    return fast and not torch.compiler.is_compiling()
 
 
 def _needs_grad(*tensors: Tensor | None) -> bool:

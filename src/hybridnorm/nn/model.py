@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.attention import KVCache
@@ -40,6 +41,10 @@ class TransformerLM(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(d, V, bias=False)
         self.register_buffer("rope_cos", None, persistent=False)  # (max_seq_len, D/2), set by reset_rope
         self.register_buffer("rope_sin", None, persistent=False)
+        # True: each block's activations are recomputed in backward instead of kept (set by the trainer's
+        # --activation_checkpointing through hybridnorm.nn.regional); a plain attribute, so parameter names
+        # and checkpoint files are the same either way
+        self.activation_checkpointing = False
         self.reset_rope()
         self.reset_parameters()
 
@@ -88,7 +93,11 @@ class TransformerLM(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         for block in self.blocks:
-            x = block(x, cos, sin, cache, mask)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # non-reentrant: gradients also reach what escapes the block besides x (MoE aux losses)
+                x = checkpoint(block, x, cos, sin, cache, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache, mask)
         if cache is not None:
             cache.pos += T
         if self.final_norm is not None:

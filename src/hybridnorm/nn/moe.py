@@ -42,6 +42,8 @@ def _grouped_mm_ok(a: Tensor, w: Tensor) -> bool:
     # The kernel requires every row stride to be a multiple of 16 bytes (also on CPU).
     if any((s * a.element_size()) % 16 for s in (a.shape[-1], w.shape[-1])):
         return False
+    if torch.compiler.is_compiling() and a.dtype != torch.bfloat16:  # the compiler's shape rule takes bf16 only
+        return False
     if a.device.type == "cpu":
         return a.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if a.device.type == "cuda":  # documented for bf16 on SM >= 80
@@ -102,7 +104,9 @@ class MoEFFN(nn.Module):
         # Sort the N*k assignments by expert so each expert's tokens are one contiguous slice.
         flat_e = top_e.reshape(-1)  # (N*k,)
         order = flat_e.argsort(stable=True)  # (N*k,) sorted position -> flat assignment
-        counts = torch.bincount(flat_e, minlength=n_exp)  # (E,)
+        # counted into a fixed (E,) buffer, not bincount: its data-dependent output size reads a max back to the
+        # host (a sync per layer on CUDA, a graph break under torch.compile)
+        counts = flat_e.new_zeros(n_exp).index_add_(0, flat_e, torch.ones_like(flat_e))  # (E,)
         offs = counts.cumsum(0).to(torch.int32)  # (E,) end of each expert's slice
 
         # Expert matmuls in the autocast dtype; grouped_mm is not on autocast's op lists, so cast by hand.

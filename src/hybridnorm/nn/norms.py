@@ -49,7 +49,7 @@ class RMSNorm(Norm):
         self.fast = fast
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fast:
+        if kernels.active(self.fast):
             return kernels.rms_norm(x, self.gain(), self.eps)
         xf = _fp32(x)  # (..., dim)
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.gain()

@@ -59,7 +59,11 @@ class TrainConfig(Config):
     stop_after_steps: int = bounded(0, ge=0)  # stop (and checkpoint) after this many steps of this invocation,
                                               # keeping the LR schedule of max_steps (resume later); 0 = no limit
     precision: Literal["fp32", "bf16"] = "bf16"  # bf16: autocast
-    compile: bool = False
+    compile: bool = False                     # torch.compile each block (hybridnorm.nn.regional): compiles once
+    activation_checkpointing: bool = False    # recompute each block's activations in backward: less memory,
+                                              # about one more forward of the blocks per step
+    host_sync: Literal["auto", "step", "log"] = "auto"  # read loss / grad norm back every step or at check
+                                              # steps only (auto: log on CUDA); see hybridnorm.train.host_sync
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate (DDP) or shard (FSDP2) the model;
                                               # a single process ignores it (train/parallel.py)
     parallel_replicate: int = bounded(1, ge=1)  # fsdp: R > 1 is HSDP, R replicas x (world / R) shards
@@ -80,6 +84,9 @@ class TrainConfig(Config):
             raise ConfigError(f"device={self.device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'")
         if not self.out_dir.strip():
             raise ConfigError("out_dir='' must name a run folder")
+        if self.host_sync == "log" and self.diagnostics.skip_spikes:
+            raise ConfigError("host_sync='log' reads the loss only at check steps, but diagnostics.skip_spikes=true "
+                              "decides on it before every update: use host_sync=step or auto")
         if self.parallel_replicate > 1 and self.parallel != "fsdp":
             raise ConfigError(f"parallel_replicate={self.parallel_replicate} needs parallel='fsdp' (HSDP: "
                               "replicas of a sharded model)")

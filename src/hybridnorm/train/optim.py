@@ -59,11 +59,13 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, fused: bool = False) -> torch.optim.AdamW:
+    """AdamW over :func:`param_groups`: the foreach implementation (fast on CPU, and the numerics every CPU
+    test pins), or with ``fused`` the fused one: one kernel per step on CUDA, and the only AdamW that skips an
+    update on a device-side ``found_inf`` flag (``hybridnorm.train.host_sync``). Same math, other rounding."""
     cfg.validate()
-    # foreach is the fast path on CPU and GPU; fused AdamW is CUDA-only on older torch.
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             foreach=True)
+    impl = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

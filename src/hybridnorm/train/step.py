@@ -4,7 +4,9 @@
 all-reduces only on the last) and leaves the summed gradients in ``.grad``; :func:`clip_gradients` returns
 the total norm before clipping; the loop in ``trainer.py`` decides, from that loss and norm, whether the
 update is applied (non-finite guard, spike guard) and owns logging, evaluation, checkpoints and stopping.
-Nothing here reads a tensor back to the host.
+Nothing in a step reads a tensor back to the host (:func:`evaluate` does, once per batch), and on CUDA the
+batches go up through pinned memory without waiting (:func:`to_device`), so the host can queue the next
+kernels while the GPU works; when the loop reads the loss is ``hybridnorm.train.host_sync``'s business.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A batch tensor on ``device``. CPU -> CUDA goes through pinned (page-locked) memory as a non-blocking
+    copy: the host does not wait for it, and the caching host allocator keeps the pinned buffer until the
+    copy is done. Elsewhere a plain ``.to``."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class StepGradients:
     """What one forward/backward over a step's micro-batches leaves besides the gradients."""
@@ -46,7 +57,7 @@ def forward_backward(step_model: nn.Module, batches: Iterator[tuple[Tensor, Tens
     micro_batches: list[tuple[Tensor, Tensor]] = []
     aux: dict[str, Tensor] = {}
     for micro in range(cfg.grad_accum):
-        x, y = (t.to(device) for t in next(batches))  # (B, T) each
+        x, y = (to_device(t, device) for t in next(batches))  # (B, T) each
         micro_batches.append((x, y))
         last = micro == cfg.grad_accum - 1
         sync = contextlib.nullcontext() if not d.enabled or last else step_model.no_sync()  # one all-reduce/step

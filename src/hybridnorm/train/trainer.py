@@ -1,7 +1,9 @@
 """The training loop: one function, :func:`train`, from a :class:`TrainConfig` to a run folder.
 
 Per optimizer step: LR from the schedule → ``grad_accum`` micro-batches (bf16 autocast if asked; DDP
-syncs only on the last) → clip → non-finite guard → spike guard → AdamW → log / eval / checkpoint.
+syncs only on the last) → clip → non-finite guard → spike guard → AdamW → log / eval / checkpoint. With
+``host_sync=log`` (the CUDA default) the guards read the step's loss and grad norm only at the next log / eval
+/ checkpoint step, the non-finite guard holding the updates back on the device meanwhile (train/host_sync.py).
 SIGINT and SIGTERM finish the current step, save a checkpoint and return ``interrupted``. ``resume=True``
 continues from the newest good checkpoint of ``out_dir`` exactly: weights, optimizer, RNG, data
 position and step, so N + N resumed steps reproduce 2N uninterrupted steps bitwise on CPU.
@@ -31,6 +33,7 @@ from hybridnorm.data import PreparedData, TokenBatches, prepare_data
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM, lm_loss
+from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
 from hybridnorm.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -48,6 +51,7 @@ from hybridnorm.train.distributed import (
     resolve_device,
 )
 from hybridnorm.train.flops import flops_per_token, measured_peak_flops
+from hybridnorm.train.host_sync import PendingSteps, StepRecord, deferred
 from hybridnorm.train.lock import claim_run_dir
 from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, lr_at, set_lr
@@ -98,7 +102,8 @@ def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.dev
     ``--parallel=fsdp`` this shards ``model`` in place (train/parallel.py), so call it before building the
     optimizer: the optimizer must hold the sharded parameters."""
     shard_model(model, cfg, device, d)
-    step_model: torch.nn.Module = torch.compile(model) if cfg.compile else model
+    checkpoint_blocks(model, cfg.activation_checkpointing)
+    step_model: torch.nn.Module = compile_blocks(model) if cfg.compile else model  # in place, per block
     return data_parallel(step_model, model, cfg, device, d)  # DDP, FSDP's no_sync adapter, or itself
 
 
@@ -139,7 +144,9 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     check_fits(cfg.model, device, training=True, what=f"training this model on {device}")
     model = TransformerLM(cfg.model).to(device)
     step_model = _wrap_for_training(model, cfg, device, d)
-    optimizer = build_optimizer(model, cfg.optim)
+    pending = PendingSteps(deferred(cfg.host_sync, device, cfg.diagnostics.skip_spikes))
+    optimizer = build_optimizer(model, cfg.optim, fused=pending.deferred)  # fused: the device-side skip
+    pending.attach(optimizer, device)
     batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,
                            world_size=d.world_size)
     state = TrainState()
@@ -181,59 +188,92 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
         save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last, d)  # FSDP: every rank writes
         barrier(d)
 
+    def collects(n: int) -> bool:  # a diagnostics step, decided alike on every rank (diag runs on rank 0)
+        return cfg.diagnostics.enabled and (n == 1 or n % cfg.diagnostics.every == 0)
+
+    def stop_on_nonfinite(rec: StepRecord, n: int) -> None:
+        """Write divergence.json for the non-finite step ``rec`` (found while taking step ``n``); the run stops
+        with the state before it, its last checkpoint intact."""
+        if pending.deferred:  # every update from rec.step on was skipped on the device: redo its gradients
+            optimizer.zero_grad(set_to_none=True)
+            forward_backward(step_model, iter(rec.grads.micro_batches), cfg, device, d)
+            clip_gradients(model, cfg.optim.grad_clip)
+        earlier = diag.last
+        diag.pop_metrics()  # a collected step's own statistics become diag.last; a later step's are not its past
+        report = divergence_report(
+            step=rec.step, loss=rec.loss, grad_norm=rec.grad_norm, model=model,
+            batches=rec.grads.micro_batches, loss_fn=loss_of, recent_losses=spikes.state_dict()["loss"],
+            last_diagnostics=diag.last if rec.step == n else earlier,
+            last_checkpoint=str(latest_checkpoint(run_dir / "checkpoints")))
+        _report_divergence(run_dir, report, d, log)
+        result.diverged = True
+        state.tokens -= (state.step - rec.step + 1) * global_tokens  # deferred: steps past it did not count
+        state.step = rec.step - 1
+
+    def read_back(n: int) -> bool:
+        """Read the pending steps' loss and grad norm (one copy) and run the guards on them in order: the
+        spike detector, and the non-finite guard, which stops the run (returns True)."""
+        for rec in pending.read():
+            if not rec.finite:
+                stop_on_nonfinite(rec, n)
+                return True
+            # loss and grad norm are the same on every rank (all-reduced / synced): so is the skip decision
+            spike = spikes.check(rec.loss, rec.grad_norm)
+            rec.skip = spike is not None and cfg.diagnostics.skip_spikes
+            if spike is not None:
+                log.log(rec.step, {"event": "spike", **spike.to_dict(), "skipped": rec.skip}, "event")
+            result.train_loss = rec.loss
+        return False
+
     result = TrainResult(run_dir, state.step, float("nan"), None, data.stats.unigram_entropy)
     t_start, tick, last_step, first_step = time.perf_counter(), time.perf_counter(), state.step, state.step
     model.train()
     with StopFlag() as stop:
         while state.step < cfg.max_steps:
+            n = state.step + 1  # the step being taken, 1-based
             set_lr(optimizer, lr := lr_at(state.step, cfg.optim, cfg.max_steps))
-            with diag.capture(state.step + 1):  # hooks on collection steps only
+            with diag.capture(n):  # hooks on collection steps only
                 step = forward_backward(step_model, batches, cfg, device, d)
             diag.after_backward()  # per-layer gradient norms before clipping
             grad_norm = clip_gradients(model, cfg.optim.grad_clip)
-            loss_avg, aux = all_reduce_mean(step.loss, d), step.aux
-            loss_v, grad_norm_v = loss_avg.item(), grad_norm.item()
-            if not (math.isfinite(loss_v) and math.isfinite(grad_norm_v)):
-                diag.pop_metrics()  # a collected step's own statistics become diag.last
-                report = divergence_report(
-                    step=state.step + 1, loss=loss_v, grad_norm=grad_norm_v, model=model,
-                    batches=step.micro_batches, loss_fn=loss_of, recent_losses=spikes.state_dict()["loss"],
-                    last_diagnostics=diag.last, last_checkpoint=str(latest_checkpoint(run_dir / "checkpoints")))
-                _report_divergence(run_dir, report, d, log)
-                result.diverged = True
+            rec = pending.record(n, all_reduce_mean(step.loss, d), grad_norm, step)
+            # the plain path reads every step before its update (host_sync.py); a collection step reads its
+            # statistics back anyway, so it does too
+            if (not pending.deferred or collects(n)) and read_back(n):
                 break
-            # loss and grad norm are the same on every rank (all-reduced / synced): so is the skip decision
-            spike = spikes.check(loss_v, grad_norm_v)
-            skip = spike is not None and cfg.diagnostics.skip_spikes
-            if spike is not None:
-                log.log(state.step + 1, {"event": "spike", **spike.to_dict(), "skipped": skip}, "event")
-            if not skip:
+            if not rec.skip:
                 diag.before_update()
-                optimizer.step()
+                optimizer.step()  # deferred: skipped on the device once a step was non-finite
                 diag.after_update()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.tokens += global_tokens
-            result.train_loss = loss_avg.item()
 
-            if state.step % cfg.log_interval == 0 or state.step == cfg.max_steps:
+            log_now = state.step % cfg.log_interval == 0 or state.step == cfg.max_steps
+            eval_now = state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps
+            if (log_now or eval_now) and read_back(n):  # deferred: the check step; plain: nothing pending
+                break
+            if log_now:
                 now = time.perf_counter()
                 tps = global_tokens * (state.step - last_step) / max(now - tick, 1e-9)
                 tick, last_step = now, state.step
-                metrics = {"loss": result.train_loss, "grad_norm": grad_norm.item(), "lr": lr,
+                metrics = {"loss": rec.loss, "grad_norm": rec.grad_norm, "lr": lr,
                            "tokens": state.tokens, "tokens_per_s": tps, "mfu": tps * fpt / peak}
-                if aux:
-                    metrics.update({k: all_reduce_mean(v.detach(), d).item() for k, v in aux.items()})
+                if step.aux:
+                    metrics.update({k: all_reduce_mean(v.detach(), d).item() for k, v in step.aux.items()})
                 log.log(state.step, metrics)
             if diag_metrics := diag.pop_metrics():
                 log.log(state.step, diag_metrics, "diag")
-            if state.step % cfg.eval_interval == 0 or state.step == cfg.max_steps:
+            if eval_now:
                 run_eval()
             out_of_time = cfg.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.max_minutes
             out_of_steps = cfg.stop_after_steps > 0 and state.step - first_step >= cfg.stop_after_steps
             stop_now = all_reduce_max(torch.tensor(float(stop.signal is not None or out_of_time or out_of_steps)),
                                       d).item() > 0
-            if state.step % cfg.ckpt_interval == 0 or state.step == cfg.max_steps or stop_now:
+            save_now = state.step % cfg.ckpt_interval == 0 or state.step == cfg.max_steps or stop_now
+            if save_now and read_back(n):  # never a checkpoint of a state past a non-finite step
+                break
+            if save_now:
                 save()
             if stop_now:
                 result.interrupted = stop.signal is not None

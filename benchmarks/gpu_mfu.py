@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""Tokens/s and MFU of the trainer's step on one GPU: the 550M presets, compiled, bf16, ± activation checkpointing.
+
+For each placement (default HybridNorm* and Pre-Norm, ``ModelConfig.from_preset("550m", placement=...)``)
+and each activation-checkpointing setting, the script runs the trainer's own step pieces as ``hybridnorm
+train --device=cuda --compile=true --precision=bf16`` does: regional ``torch.compile`` of every block
+(``nn.regional``), bf16 autocast, ``train.step.forward_backward`` (batches through pinned memory),
+``clip_gradients``, and the deferred host sync of ``train.host_sync`` (fused AdamW gated by a device-side
+non-finite flag; the values read back once at the end). After ``--warmup`` steps (the compile) it times
+``--steps`` steps between two synchronisations and prints a table:
+
+    tokens/s = steps · batch · seq / seconds        MFU = tokens/s · FLOPs per token / peak
+
+with the trainer's FLOPs per token (``train.flops``: 6·N_matmul + 6·L·d·T, causal attention counted once)
+and the peak the GPU's dense bf16 datasheet number (H100/H200 SXM 989 TFLOP/s, H100 PCIe 756, A100 312),
+or, for an unlisted GPU or with ``--measured-peak``, a measured large bf16 matmul. Without a GPU the script
+says so and exits 0 (``--device cpu --size tiny`` runs the same code on the CPU, as a smoke test).
+
+    python benchmarks/gpu_mfu.py                              # 550m, hybridnorm_star + pre, AC off + on
+    python benchmarks/gpu_mfu.py --batch 8 --ac on            # a bigger batch fits with checkpointing
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+
+import torch
+
+import hybridnorm as hn
+from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
+from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.distributed import Dist
+from hybridnorm.train.flops import flops_per_token, measured_peak_flops
+from hybridnorm.train.host_sync import PendingSteps
+from hybridnorm.train.optim import OptimConfig, build_optimizer
+from hybridnorm.train.step import clip_gradients, forward_backward
+
+# Dense bf16 tensor-core peaks without sparsity, from NVIDIA's datasheets (FLOP/s), matched against
+# torch.cuda.get_device_name in this order.
+PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--size", default="550m", help="ModelConfig preset")
+    p.add_argument("--placements", default="hybridnorm_star,pre")
+    p.add_argument("--ac", choices=("off", "on", "both"), default="both", help="activation checkpointing")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (one micro-batch)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one compiles)")
+    p.add_argument("--no-compile", action="store_true", help="eager blocks (for comparison)")
+    p.add_argument("--measured-peak", action="store_true", help="MFU against a measured bf16 matmul peak")
+    p.add_argument("--device", default="cuda")
+    return p.parse_args(argv)
+
+
+def peak_flops(device: torch.device, measured: bool) -> tuple[float, str]:
+    """The bf16 peak to compute MFU against, and where it comes from."""
+    if device.type == "cuda" and not measured:
+        name = torch.cuda.get_device_name(device)
+        for key, peak in PEAK_BF16:
+            if key in name:
+                return peak, f"datasheet dense bf16 of {name}"
+    return measured_peak_flops(str(device), torch.bfloat16, 8192 if device.type == "cuda" else 1024), \
+        "measured bf16 matmul"
+
+
+def random_batches(vocab: int, batch: int, seq: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless random (inputs, targets) on the CPU, as the trainer's TokenBatches yields them."""
+    g = torch.Generator().manual_seed(0)
+    while True:
+        rows = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.device) -> dict[str, float]:
+    """Tokens/s and peak memory of the trainer's step for one configuration."""
+    mcfg = hn.ModelConfig.from_preset(args.size, placement=placement)
+    cfg = TrainConfig(model=mcfg, batch_size=args.batch, seq_len=args.seq, precision="bf16",
+                      optim=OptimConfig(lr=1e-4, warmup_steps=0), device=str(device), compile=not args.no_compile,
+                      activation_checkpointing=ac, host_sync="log")
+    torch.manual_seed(0)
+    model = hn.TransformerLM(mcfg).to(device)
+    checkpoint_blocks(model, ac)
+    if cfg.compile:
+        compile_blocks(model)
+    optimizer = build_optimizer(model, cfg.optim, fused=True)
+    pending = PendingSteps(True)
+    pending.attach(optimizer, device)
+    batches = random_batches(mcfg.vocab_size, args.batch, args.seq)
+    model.train()
+
+    def step(n: int) -> None:
+        grads = forward_backward(model, batches, cfg, device, Dist())
+        pending.record(n, grads.loss, clip_gradients(model, cfg.optim.grad_clip), grads)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for n in range(args.warmup):
+        step(n)
+    sync()
+    warmup_s = time.perf_counter() - t0
+    pending.read()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for n in range(args.steps):
+        step(args.warmup + n)
+    sync()
+    seconds = time.perf_counter() - t0
+    finite = all(r.finite for r in pending.read())  # the check step: one read for all timed steps
+    return {"tokens_per_s": args.steps * args.batch * args.seq / seconds, "step_s": seconds / args.steps,
+            "flops_per_token": flops_per_token(model, args.seq), "warmup_s": warmup_s, "finite": finite,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
+            "params": model.num_params()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_mfu: no CUDA GPU is available here (torch "
+              f"{torch.__version__}{', built without CUDA' if torch.version.cuda is None else ''}); nothing "
+              "measured. Run it on a GPU machine; --device cpu --size tiny runs the same code as a smoke test.")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 leftovers outside autocast (the loss) on tensor cores
+    peak, source = peak_flops(device, args.measured_peak)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__} on {where}; peak {peak / 1e12:.1f} TFLOP/s ({source}); {args.size}, "
+          f"batch {args.batch} x seq {args.seq}, bf16 autocast, {'eager' if args.no_compile else 'compiled blocks'}")
+    print(f"{'placement':<17}{'AC':>4}{'params':>9}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}"
+          f"{'peak GiB':>10}{'warmup s':>10}")
+    for placement in (p.strip() for p in args.placements.split(",") if p.strip()):
+        for ac in {"off": (False,), "on": (True,), "both": (False, True)}[args.ac]:
+            label = f"{placement:<17}{'on' if ac else 'off':>4}"
+            try:
+                r = measure(args, placement, ac, device)
+            except torch.OutOfMemoryError:
+                print(f"{label}  out of memory at batch {args.batch}")
+                r = None
+            if r is not None:
+                achieved = r["tokens_per_s"] * r["flops_per_token"]
+                print(f"{label}{r['params'] / 1e6:>8.0f}M{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}"
+                      f"{achieved / 1e12:>9.1f}{achieved / peak:>7.1%}{r['peak_gib']:>10.1f}{r['warmup_s']:>10.1f}"
+                      + ("" if r["finite"] else "  (non-finite loss!)"))
+            torch._dynamo.reset()  # the next model's blocks compile afresh; free this one's memory
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print("MFU: model FLOPs (6·N_matmul + 6·L·d·T per token) per second over the peak; goal >= 45% on one H100.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

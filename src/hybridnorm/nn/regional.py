@@ -1,0 +1,45 @@
+"""Per-block training wrappers: activation checkpointing and regional ``torch.compile``.
+
+Both act on each :class:`~hybridnorm.nn.block.Block` of a :class:`~hybridnorm.nn.model.TransformerLM` in
+place (torchtitan's ``apply_ac`` / ``apply_compile``) and leave its parameter names, state dict and
+checkpoint files exactly as they are: no wrapper module is inserted.
+
+**Activation checkpointing** (:func:`checkpoint_blocks`): the model runs each block under
+``torch.utils.checkpoint`` (non-reentrant) while gradients are on, so only the block inputs are kept and
+the rest is recomputed in backward. The recompute calls the block module again, so its forward hooks fire
+twice per micro-batch (forward and backward): hooks must count a module once per micro-batch, as
+:class:`hybridnorm.diagnostics.Diagnostics` does (``tests/nn/test_regional.py`` checks that its metrics are
+unchanged). A MoE block's ``aux_losses`` and ``expert_counts`` are overwritten by the recompute with equal
+values; the trainer reads the ones returned by the forward.
+
+**Regional compilation** (:func:`compile_blocks`): ``block.compile()`` on every block instead of compiling
+the whole model. All blocks share one code object, so dynamo compiles it once and reuses the graph for
+every block whose structure is the same; a structurally different block (HybridNorm*'s first) adds one
+graph. What makes that hold is in the model code: ``Block`` passes the sublayer module and its arguments
+(no per-call closure, whose code object dynamo would guard), the KV-cache layer index is read only when a
+cache is given (a per-layer int attribute is a static guard), and the hand-written kernels step aside
+while compiling (:func:`hybridnorm.nn.kernels.active`: inductor fuses the plain math, and their ``out=``
+writes would break the graph). ``tests/nn/test_regional.py`` counts graphs, recompiles and graph breaks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def checkpoint_blocks(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Recompute each block's activations in backward instead of storing them (see the module docstring);
+    returns ``model``. Costs about one extra forward of the blocks per step."""
+    model.activation_checkpointing = enabled
+    return model
+
+
+def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """``torch.compile`` each block in place (``compile_kwargs`` go to it, e.g. ``backend="aot_eager"``);
+    returns ``model``. The embedding, final norm, head and loss stay eager: one block graph is most of the
+    FLOPs, and compiling it once keeps the compile time independent of depth."""
+    for block in model.blocks:
+        block.compile(**compile_kwargs)
+    return model
