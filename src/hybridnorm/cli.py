@@ -202,6 +202,14 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+def _plan(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.train.plan import PlanOptions, format_plan, plan
+
+    names = ("size", "gpus", "gpu_mem", "seq_len", "micro_batch", "global_batch_tokens", "precision", "placement")
+    print(format_plan(plan(PlanOptions.from_dict({k: getattr(args, k) for k in names}))))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="hybridnorm", description="Normalization placements for decoder-only LMs.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -306,6 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("placements", parents=[common], help="list placement presets with their equations")
     p.add_argument("--all", action="store_true", help="also the paper's grammar names")
     p.set_defaults(func=_placements)
+
+    m = sub.add_parser("plan", parents=[common], help="memory per GPU (DDP, FSDP), largest micro-batch, grad_accum")
+    m.add_argument("--size", default="1.2b", help="model size preset")
+    m.add_argument("--gpus", type=int, default=8)
+    m.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    m.add_argument("--seq-len", type=int, default=4096)
+    m.add_argument("--micro-batch", type=int, help="sequences per GPU (default: the largest that fits under FSDP)")
+    m.add_argument("--global-batch-tokens", type=int, default=4 * 2**20, help="target tokens per step")
+    m.add_argument("--precision", default="bf16", help="bf16 (autocast) or fp32")
+    m.add_argument("--placement", default="hybridnorm_star")
+    m.set_defaults(func=_plan)
     # the options each config-taking command owns: any other --key is a config override
     ap.own_options = {name: set(sub.choices[name]._option_string_actions) for name in ("train", "compare", "sweep")}
     return ap

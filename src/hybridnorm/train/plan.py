@@ -1,0 +1,220 @@
+"""Memory plan of a training job: bytes per GPU under DDP and FSDP, the largest micro-batch that fits, and
+the gradient accumulation a global batch (in tokens) needs. Nothing is allocated: the model is built on the
+``meta`` device, so parameter counts are the real model's, exactly (:func:`preflight.param_count` is a cheaper
+upper bound that over-counts the norm vectors on purpose).
+
+**States** (N parameters, P GPUs; ``shard(x)``: FSDP2's dim-0 shard of each parameter, ceil(rows / P) rows,
+summed over parameters: rank 0's share, the largest). What :mod:`hybridnorm.train.parallel` really keeps:
+
+- parameters: fp32 master weights in both modes (bf16 is autocast, or under FSDP a bf16 *gathered copy*);
+  DDP 4·N, FSDP 4·shard(N);
+- gradients: fp32; DDP 4·N plus 4·N of DDP's reduction buckets (``gradient_as_bucket_view`` is off);
+  FSDP 4·shard(N), plus 4·N of unsharded fp32 gradients whenever grad_accum > 1 (the step's ``no_sync``
+  accumulates them unreduced);
+- AdamW: exp_avg and exp_avg_sq in fp32, 8 bytes per (local) parameter;
+- FSDP gathered weights (c bytes each, c = 2 for bf16, 4 for fp32): the root unit (embedding, final norm),
+  two blocks (the one running and the prefetched one) and the last block, which is never resharded; plus
+  one block's unsharded fp32 gradient before its reduce-scatter.
+
+**Activations** (bytes per token, saved for the backward; r = 4: the residual stream and the norms run in
+fp32; c as above; d model width, H/Hkv heads of size D, h FFN hidden size) per block:
+
+    norms  Σ over the d-wide slots on (in/out/post of both sublayers)   (r·d + 4)        input + rstd
+    attn   c·d + 2·c·(H + 2·Hkv)·D + 2·c·H·D + 4·H                     qkv input, projection out and
+                                                                        q/k/v, SDPA out and W_O input, lse
+           + Σ over the Q/K/V/C norms on  (r·w + 4·w/D)                 w = H·D (Q, C) or Hkv·D (K, V)
+    ffn    c·d + 2·c·h + 2·c·h                                          w_in input, gate|up, silu·up twice
+
+plus per token r·d + 4 + c·d + 8 (final norm, head input, token ids) and 4·V: the fp32 log-softmax the
+loss keeps (B·T·V·4). Under DDP with bf16, autocast keeps a bf16 copy of every matmul weight until the
+backward: 2·N_matmul bytes, whatever the batch. With activation checkpointing a block keeps only its
+input (r·d per token), and one block's full activations come back during its recompute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+import torch
+
+from hybridnorm.config import ModelConfig
+from hybridnorm.config_base import Config, bounded
+from hybridnorm.errors import ConfigError
+
+GIB = 2**30
+PAPER_GLOBAL_TOKENS = 4 * 2**20  # the paper's 4M-token batch: 1024 sequences of 4096
+R = 4  # residual stream and norm statistics are fp32 under autocast too
+
+
+@dataclass
+class PlanOptions(Config):
+    """The planner's options; a bad value is one ConfigError naming its ``--option``."""
+
+    SECTION: ClassVar[str] = "plan"
+    size: str = "1.2b"
+    gpus: int = bounded(8, ge=1)
+    gpu_mem: float = bounded(80.0, gt=0)  # GiB per GPU
+    seq_len: int = bounded(4096, ge=1)
+    micro_batch: int | None = bounded(None, ge=1)  # None: the largest that fits
+    global_batch_tokens: int = bounded(PAPER_GLOBAL_TOKENS, ge=1)
+    precision: Literal["bf16", "fp32"] = "bf16"
+    placement: str = "hybridnorm_star"
+    headroom: float = bounded(0.10, ge=0, lt=1)  # fraction of gpu_mem left for the allocator, NCCL, kernels
+
+    @classmethod
+    def label(cls, name: str) -> str:
+        return "--" + name.replace("_", "-")  # name the option as it is typed
+
+
+@dataclass
+class ModePlan:
+    """One parallel mode's bytes per GPU (activations at ``micro_batch``)."""
+
+    mode: str
+    params: int
+    grads: int
+    optim: int
+    buffers: int  # DDP buckets / FSDP gathered weights and unsharded gradients
+    act: int
+    act_ckpt: int
+    max_micro_batch: int
+    max_micro_batch_ckpt: int
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optim + self.buffers
+
+
+@dataclass
+class Plan:
+    options: PlanOptions
+    n_params: int
+    micro_batch: int
+    grad_accum: int
+    budget: int  # bytes per GPU after the headroom
+    modes: list[ModePlan] = field(default_factory=list)
+
+    @property
+    def global_tokens(self) -> int:
+        return self.micro_batch * self.options.seq_len * self.options.gpus * self.grad_accum
+
+
+def model_config(opts: PlanOptions) -> ModelConfig:
+    preset = ModelConfig.preset(opts.size)
+    if opts.seq_len > preset["max_seq_len"]:
+        raise ConfigError(f"--seq-len={opts.seq_len} exceeds the {opts.size} preset's max_seq_len="
+                          f"{preset['max_seq_len']}")
+    return ModelConfig.from_preset(opts.size, placement=opts.placement)
+
+
+def meta_model(mc: ModelConfig) -> torch.nn.Module:
+    return mc.build("meta")  # shapes only: a 7B model costs nothing
+
+
+def sharded_numel(model: torch.nn.Module, gpus: int) -> int:
+    """Rank 0's FSDP2 share: each parameter split on dim 0 into ceil(rows / gpus) rows (padded)."""
+    return sum(math.ceil(p.shape[0] / gpus) * (p.numel() // p.shape[0]) if p.dim() else p.numel()
+               for p in model.parameters())
+
+
+def layer_act_bytes(mc: ModelConfig, compute_bytes: int, layer: int = 0) -> int:
+    """Activation bytes per token one block keeps for its backward (the formula of the module docstring)."""
+    spec = mc.resolved_placement().blocks(mc.n_layers)[layer]
+    c, d, H, Hkv, D, h = compute_bytes, mc.d_model, mc.n_heads, mc.kv_heads, mc.head_dim, mc.ffn_hidden_size
+    if mc.moe is not None:  # approximate: each token's top_k experts as one wide FFN, router buffers left out
+        h = mc.moe.top_k * (mc.moe.expert_hidden_size or h)
+    slots = sum((s.in_norm, s.out_norm, s.post_norm).count(True) for s in (spec.attn, spec.ffn))
+    norms = slots * (R * d + 4)
+    attn = c * d + 2 * c * (H + 2 * Hkv) * D + 2 * c * H * D + 4 * H
+    for letter, heads in (("Q", H), ("K", Hkv), ("V", Hkv), ("C", H)):
+        if spec.norms(letter):
+            attn += R * heads * D + 4 * heads
+    ffn = c * d + 4 * c * h
+    return norms + attn + ffn
+
+
+def head_act_bytes(mc: ModelConfig, compute_bytes: int) -> int:
+    """Per token outside the blocks: final norm, head input, ids, and the loss's fp32 log-softmax."""
+    return R * mc.d_model + 4 + compute_bytes * mc.d_model + 8 + 4 * mc.embedding_size
+
+
+def activation_bytes(mc: ModelConfig, tokens: int, precision: str, checkpointing: bool) -> tuple[int, int]:
+    """(bytes the forward keeps for the backward, extra bytes live while one block recomputes) for
+    ``tokens`` = micro_batch·seq_len tokens; weight copies are not included (see :func:`plan`)."""
+    c = 2 if precision == "bf16" else 4
+    layers = [layer_act_bytes(mc, c, i) for i in range(mc.n_layers)]
+    head = head_act_bytes(mc, c)
+    if checkpointing:
+        return tokens * (mc.n_layers * R * mc.d_model + head), tokens * max(layers)
+    return tokens * (sum(layers) + head), 0
+
+
+def _largest_fitting(fixed: int, per_seq: int, budget: int) -> int:
+    """The largest micro-batch m with fixed + m·per_seq <= budget (0: not even one sequence)."""
+    return max(0, (budget - fixed) // per_seq) if per_seq > 0 else 0
+
+
+def plan(opts: PlanOptions) -> Plan:
+    """Bytes per GPU for DDP and FSDP at ``opts``; see the module docstring for what each term counts."""
+    mc = model_config(opts)
+    model = meta_model(mc)
+    n = sum(p.numel() for p in model.parameters())
+    n_shard = sharded_numel(model, opts.gpus)
+    c = 2 if opts.precision == "bf16" else 4
+    T = opts.seq_len
+    budget = int(opts.gpu_mem * GIB * (1 - opts.headroom))
+    block = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    root = n - sum(block)
+    matmul = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2)
+    weight_copies = 2 * matmul if opts.precision == "bf16" else 0  # autocast's cached bf16 casts (DDP)
+
+    states = {
+        "ddp": (4 * n, 4 * n, 8 * n, 4 * n + weight_copies),  # + 4·n: DDP's reduction buckets
+        # gathered: root + 2 running/prefetched blocks + the never-resharded last one; + 1 block's fp32 grad
+        "fsdp": (4 * n_shard, 4 * n_shard, 8 * n_shard,
+                 c * (root + 3 * max(block)) + 4 * max(block) + 4 * n),  # 4·n: no_sync's unsharded grads
+    }
+
+    def act(tokens: int, ckpt: bool) -> int:
+        kept, recompute = activation_bytes(mc, tokens, opts.precision, ckpt)
+        return kept + recompute
+
+    # largest micro-batch: states and weight copies are fixed, activations grow linearly per sequence
+    # (the search counts no_sync's gradient buffer: conservative whenever grad_accum would come out 1)
+    fits = {}
+    for mode, (p, g, o, buf) in states.items():
+        fixed = p + g + o + buf
+        fits[mode] = tuple(_largest_fitting(fixed, act(T, ck), budget) for ck in (False, True))
+    mb = opts.micro_batch or max(1, fits["fsdp"][0])
+    accum = max(1, math.ceil(opts.global_batch_tokens / (mb * T * opts.gpus)))
+    modes = []
+    for mode, (p, g, o, buf) in states.items():
+        if mode == "fsdp" and accum == 1:
+            buf -= 4 * n  # no accumulation, no no_sync buffer
+        modes.append(ModePlan(mode, p, g, o, buf, act(mb * T, False), act(mb * T, True), *fits[mode]))
+    return Plan(opts, n, mb, accum, budget, modes)
+
+
+def _gib(x: int) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+def format_plan(pl: Plan) -> str:
+    """The plan as a plain-text table, GiB per GPU."""
+    o = pl.options
+    lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {o.gpus} GPUs x {o.gpu_mem:g} GiB "
+             f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len}, {o.precision}",
+             f"micro-batch {pl.micro_batch} x grad_accum {pl.grad_accum} x {o.gpus} GPUs = {pl.global_tokens:,} "
+             f"tokens per step (target {o.global_batch_tokens:,})",
+             f"{'GiB per GPU':<12}{'params':>9}{'grads':>9}{'AdamW':>9}{'buffers':>9}{'act':>9}{'act+ckpt':>9}"
+             f"{'total':>9}{'w/ ckpt':>9}{'max mb':>8}{'w/ ckpt':>8}"]
+    for m in pl.modes:
+        lines.append(f"{m.mode.upper():<12}{_gib(m.params):>9}{_gib(m.grads):>9}{_gib(m.optim):>9}"
+                     f"{_gib(m.buffers):>9}{_gib(m.act):>9}{_gib(m.act_ckpt):>9}{_gib(m.states + m.act):>9}"
+                     f"{_gib(m.states + m.act_ckpt):>9}{m.max_micro_batch:>8}{m.max_micro_batch_ckpt:>8}")
+    lines.append("buffers: DDP reduction buckets + autocast bf16 weight copies; FSDP gathered weights, one block's "
+                 "unsharded gradient, and no_sync's unsharded gradients when grad_accum > 1. Lower bounds: "
+                 "fragmentation and kernels' workspaces are what the headroom is for.")
+    return "\n".join(lines)
