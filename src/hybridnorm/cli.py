@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import typing
 import warnings
@@ -55,7 +56,8 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_DIVERGED
     if result.interrupted:
         return EXIT_INTERRUPTED
-    if result.val_loss is not None and result.unigram_entropy is not None:
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun every rank returns here: one summary line
+    if rank0 and result.val_loss is not None and result.unigram_entropy is not None:
         print(f"final: step {result.step}, train loss {result.train_loss:.4f}, val loss {result.val_loss:.4f} "
               f"(val ppl {math.exp(result.val_loss):.2f}); unigram entropy {result.unigram_entropy:.4f} nats; "
               f"run folder {result.run_dir}")

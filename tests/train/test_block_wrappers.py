@@ -56,8 +56,9 @@ def test_compile_flag_compiles_each_block_structure_once_for_the_run(make_cfg, t
     # it anyway, the embedding and final norm outside them would otherwise take their fast kernels)
     common = ("--max_steps=6", "--eval_interval=3", "--model.fast_kernels=false")
     trainer.train(make_cfg(tmp_path / "compiled", *common, "--compile=true", "--activation_checkpointing=true"))
-    # two block structures x {training, evaluation under no_grad}; nothing recompiled in 6 steps and 2 evals
-    assert counter.frame_count == 4
+    # two block structures (HybridNorm*'s first block differs), training only: evaluation runs eager;
+    # nothing recompiled in 6 steps and 2 evals
+    assert counter.frame_count == 2
     assert dict(counters["graph_break"]) == {}
     # the graphs compute op for op what eager mode does: the same run, bit for bit
     trainer.train(make_cfg(tmp_path / "plain", *common))

@@ -85,6 +85,16 @@ def evaluate(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device, d
     process with batch W·B; and the number of tokens scored (fewer than asked when validation is short)."""
     was_training = model.training
     model.eval()
+    # eval runs eager: under --compile a no-grad pass would need a second graph per block structure (dynamo
+    # guards on grad mode), which costs more compile time than a few eval batches save
+    with torch.compiler.set_stance("force_eager"):
+        total = _eval_sums(model, tokens, cfg, device, d)
+    model.train(was_training)
+    return (float(total[0] / total[1]) if total[1] > 0 else float("nan")), int(total[1])
+
+
+def _eval_sums(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device, d: Dist) -> Tensor:
+    """(sum of token losses, tokens scored) over every rank's validation windows, float64."""
     total = torch.zeros(2, dtype=torch.float64)
     n_batches = cfg.eval_batches * d.world_size  # val_batches counts batches of batch_size over all ranks
     n_run = 0
@@ -100,5 +110,4 @@ def evaluate(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device, d
         for _ in range(int(all_reduce_max(torch.tensor(float(n_run)), d).item()) - n_run):
             with autocast(cfg.precision, device):
                 model(torch.zeros(1, 1, dtype=torch.long, device=device))
-    model.train(was_training)
-    return (float(total[0] / total[1]) if total[1] > 0 else float("nan")), int(total[1])
+    return total
