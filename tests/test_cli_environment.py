@@ -129,6 +129,20 @@ def test_the_parameter_estimate_bounds_the_real_count(size: str, placement: str)
     assert preflight.estimate_bytes(mc, training=False, copies=2) == 8 * preflight.param_count(mc)
 
 
+def test_fsdp_shards_the_training_state_but_each_rank_builds_the_whole_model_once(monkeypatch) -> None:
+    mc = ModelConfig.from_preset("151m")
+    n = preflight.param_count(mc)
+    free = 6 * n  # below 16 B/param unsharded, above 16/4 = 4 B/param sharded over 4 ranks
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: (free, "a test's reader"))
+    with pytest.raises(ConfigError, match="x 16 bytes"):
+        preflight.check_fits(mc, "cpu", training=True)
+    preflight.check_fits(mc, "cpu", training=True, shards=4)  # 4 B/param: fits
+    # 16 shards would need only 1 B/param of training state, but the fp32 build itself takes 4 B/param
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: (3 * n, "a test's reader"))
+    with pytest.raises(ConfigError, match="16 FSDP shards"):
+        preflight.check_fits(mc, "cpu", training=True, shards=16)
+
+
 @pytest.fixture
 def little_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(preflight, "available_bytes", lambda device: (1000, "a test's reader"))

@@ -120,16 +120,21 @@ def _size(n: int) -> str:
 
 
 def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, copies: int = 1,
-               what: str = "the model") -> None:
+               shards: int = 1, what: str = "the model") -> None:
     """ConfigError if ``mc``'s parameters (plus gradients and AdamW state when ``training``) cannot fit in
-    the memory available on ``device`` now; silent where that cannot be read."""
+    the memory available on ``device`` now; silent where that cannot be read. ``shards`` > 1 (FSDP over that
+    many ranks): the training state is split between them, but each rank still builds the whole fp32 model
+    once before sharding it, so it needs the larger of the two."""
     device = torch.device(device)
     need = estimate_bytes(mc, training=training, copies=copies)
+    if training and shards > 1:
+        need = max(estimate_bytes(mc, training=False), -(-need // shards))
     free = available_bytes(device)
     if free is None or need <= free[0]:
         return
     n = param_count(mc)
     how = (f"{n:,} parameters x {TRAIN_BYTES_PER_PARAM} bytes (fp32 weights, gradients, AdamW's two moments)"
+           + (f" / {shards} FSDP shards, at least the whole fp32 model while it is built" if shards > 1 else "")
            if training else f"{n:,} parameters x {FP32_BYTES} bytes (fp32)" + (f" x {copies} copies while loading"
                                                                               if copies > 1 else ""))
     raise ConfigError(f"{what} needs at least {_size(need)} on {device} ({how}; activations come on top) but only "

@@ -141,7 +141,8 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     train_tokens, val_tokens = data.train_tokens(), data.val_tokens()
 
     torch.manual_seed(cfg.seed)
-    check_fits(cfg.model, device, training=True, what=f"training this model on {device}")
+    shards = d.world_size if d.enabled and cfg.parallel == "fsdp" else 1
+    check_fits(cfg.model, device, training=True, shards=shards, what=f"training this model on {device}")
     model = TransformerLM(cfg.model).to(device)
     step_model = _wrap_for_training(model, cfg, device, d)
     pending = PendingSteps(deferred(cfg.host_sync, device, cfg.diagnostics.skip_spikes))
