@@ -40,3 +40,16 @@ def make_cfg(corpus: Path, cache_dir: Path, no_peak_measure: None) -> Callable[.
         return TrainConfig.from_dict(apply_overrides({}, [*tiny_overrides(corpus, cache_dir, out_dir), *extra]))
 
     return make
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, cache_dir: Path) -> Path:
+    """A tiny run folder (2 steps) to load, export and generate from, shared by a test module."""
+    import hybridnorm.train.trainer as trainer
+
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    cfg = TrainConfig.from_dict(apply_overrides({}, [*tiny_overrides(corpus, cache_dir, out), "--max_steps=2"]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
+        trainer.train(cfg, quiet=True)
+    return out

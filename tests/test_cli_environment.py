@@ -26,20 +26,6 @@ def _one_error_line(capsys) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, cache_dir: Path) -> Path:
-    """A tiny run folder (2 steps) to load, export and generate from."""
-    import hybridnorm.train.trainer as trainer
-    from hybridnorm.train.config import TrainConfig, apply_overrides
-
-    out = tmp_path_factory.mktemp("env") / "run"
-    cfg = TrainConfig.from_dict(apply_overrides({}, [*tiny_overrides(corpus, cache_dir, out), "--max_steps=2"]))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
-        trainer.train(cfg, quiet=True)
-    return out
-
-
 @pytest.fixture
 def read_only(tmp_path: Path):
     """A folder with every write bit off (refused even for root, who could write anyway)."""

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from train_helpers import tiny_overrides
 
 from hybridnorm.cli import main
 from hybridnorm.config import ModelConfig
@@ -24,19 +23,6 @@ bad_temperature = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -0.5
                             st.floats(max_value=0, exclude_max=True))  # negatives, subnormal ones included
 bad_int = st.integers(max_value=-1)
 bad_seed = st.one_of(bad_int, st.integers(min_value=2**64, max_value=2**200))
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, cache_dir: Path) -> Path:
-    import hybridnorm.train.trainer as trainer
-    from hybridnorm.train.config import TrainConfig, apply_overrides
-
-    out = tmp_path_factory.mktemp("gen") / "run"
-    cfg = TrainConfig.from_dict(apply_overrides({}, [*tiny_overrides(corpus, cache_dir, out), "--max_steps=1"]))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
-        trainer.train(cfg, quiet=True)
-    return out
 
 
 def _refused(argv: list[str], capsys, needle: str) -> None:

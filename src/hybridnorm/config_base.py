@@ -151,10 +151,10 @@ def from_mapping(cls: type, d: Any, where: str) -> Any:
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{where or 'config'}: missing required field(s) {', '.join(missing)}")
+    if issubclass(cls, Config):
+        return cls(**d)  # its validate() checks every field, naming it by the section's own labels
     hints = _hints(cls)
-    own = isinstance(cls, type) and issubclass(cls, Config) and where == cls.SECTION
-    kwargs = {k: coerce(cls.label(k) if own else _join(where, k), v, hints[k]) for k, v in d.items()}
-    return cls(**kwargs)
+    return cls(**{k: coerce(_join(where, k), v, hints[k]) for k, v in d.items()})
 
 
 def _join(where: str, name: str) -> str:

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from checkpoint_helpers import model_and_optimizer
 
 from hybridnorm.config import ModelConfig
 from hybridnorm.nn.model import lm_loss
@@ -29,24 +30,12 @@ def _model(vocab_size: int = 256, seed: int = 0):
     return ModelConfig.from_preset("tiny", vocab_size=vocab_size).build()
 
 
-def _trained(steps: int = 2):
-    model = _model()
-    opt = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0))
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randint(0, 256, (2, 16), generator=gen)
-        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
-
-
 def _save(root, model, opt, step: int, keep_last: int = 10):
     return save_checkpoint(root, model, opt, TrainState(step=step, tokens=step * 64), keep_last)
 
 
 def test_round_trip_model_optimizer_rng_and_state(tmp_path):
-    model, opt = _trained()
+    model, opt = model_and_optimizer(2)
     torch.manual_seed(1234)
     state = TrainState(step=7, tokens=448, data={"epoch": 1, "step": 3}, extra={"note": "x"})
     path = save_checkpoint(tmp_path / "ckpt", model, opt, state)
@@ -81,7 +70,7 @@ def test_round_trip_model_optimizer_rng_and_state(tmp_path):
 
 
 def test_only_safetensors_and_json_and_no_pickle_on_load(tmp_path, monkeypatch):
-    model, opt = _trained(1)
+    model, opt = model_and_optimizer(1)
     path = _save(tmp_path, model, opt, 1)
     assert sorted(p.name for p in path.iterdir()) == [
         "manifest.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
@@ -97,7 +86,7 @@ def test_only_safetensors_and_json_and_no_pickle_on_load(tmp_path, monkeypatch):
 
 
 def test_keep_last_prunes_oldest(tmp_path):
-    model, opt = _trained(1)
+    model, opt = model_and_optimizer(1)
     for step in range(1, 6):
         _save(tmp_path, model, opt, step, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000004", "step_000005"]
@@ -107,7 +96,7 @@ def test_keep_last_prunes_oldest(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_damaged_file_is_named_and_latest_falls_back(tmp_path, damage):
-    model, opt = _trained(1)
+    model, opt = model_and_optimizer(1)
     good = _save(tmp_path, model, opt, 2)
     bad = _save(tmp_path, model, opt, 4)
     f = bad / "model.safetensors"
@@ -131,7 +120,7 @@ def test_damaged_file_is_named_and_latest_falls_back(tmp_path, damage):
 
 
 def test_missing_manifest_means_incomplete(tmp_path):
-    model, opt = _trained(1)
+    model, opt = model_and_optimizer(1)
     path = _save(tmp_path, model, opt, 3)
     (path / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"incomplete.*manifest\.json"):
@@ -144,7 +133,7 @@ def test_missing_manifest_means_incomplete(tmp_path):
 
 
 def test_stray_tmp_folder_is_ignored(tmp_path):
-    model, opt = _trained(1)
+    model, opt = model_and_optimizer(1)
     good = _save(tmp_path, model, opt, 2)
     stray = tmp_path / f".tmp_step_000004_{os.getpid() + 1}"  # a save killed before its rename
     stray.mkdir()
@@ -158,7 +147,7 @@ def test_stray_tmp_folder_is_ignored(tmp_path):
 
 
 def test_load_weights_into_other_vocab_names_the_shape_mismatch(tmp_path):
-    model, opt = _trained(1)
+    model, opt = model_and_optimizer(1)
     path = _save(tmp_path, model, opt, 1)
     with pytest.raises(CheckpointError, match=r"embed\.weight has shape \(256, 64\).*\(300, 64\).*vocab") as exc:
         load_weights(path, _model(vocab_size=300))
@@ -166,7 +155,7 @@ def test_load_weights_into_other_vocab_names_the_shape_mismatch(tmp_path):
 
 
 def test_load_weights_into_other_architecture_names_the_keys(tmp_path):
-    model, opt = _trained(1)
+    model, opt = model_and_optimizer(1)
     path = _save(tmp_path, model, opt, 1)
     other = ModelConfig.from_preset("tiny", n_layers=3).build()
     with pytest.raises(CheckpointError, match=r"does not fit this model: missing \['blocks\.2"):
@@ -174,7 +163,7 @@ def test_load_weights_into_other_architecture_names_the_keys(tmp_path):
 
 
 def test_manifest_records_sizes_and_hashes(tmp_path):
-    model, opt = _trained(1)
+    model, opt = model_and_optimizer(1)
     path = _save(tmp_path, model, opt, 1)
     manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
     assert set(manifest) == {"model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"}

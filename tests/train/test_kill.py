@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from checkpoint_helpers import wait_for
 from train_helpers import read_metrics, tiny_overrides
 
 from hybridnorm import cli
@@ -30,22 +30,10 @@ def _start(run_dir: Path, corpus: Path, cache: Path, log: Path, *extra: str) -> 
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_for(proc: subprocess.Popen, cond, log: Path, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            pytest.fail(f"trainer exited early with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"timed out waiting for the trainer:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.02)
-
-
 def test_sigkill_then_resume_continues_from_last_checkpoint(corpus, cache_dir, tmp_path, no_peak_measure):
     run, log = tmp_path / "run", tmp_path / "train.log"
     proc = _start(run, corpus, cache_dir, log, "--ckpt_interval=2")
-    _wait_for(proc, lambda: bool(list_checkpoints(run / "checkpoints")), log)
+    wait_for(proc, lambda: bool(list_checkpoints(run / "checkpoints")), log, timeout=90.0)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
 
@@ -82,7 +70,7 @@ def test_sigkill_then_resume_continues_from_last_checkpoint(corpus, cache_dir, t
 def test_signal_saves_checkpoint_at_current_step_and_exits_130(corpus, cache_dir, tmp_path, sig):
     run, log = tmp_path / "run", tmp_path / "train.log"
     proc = _start(run, corpus, cache_dir, log)  # ckpt_interval=1000: the only checkpoint is the signal's
-    _wait_for(proc, lambda: (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 2, log)
+    wait_for(proc, lambda: (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 2, log, timeout=90.0)
     proc.send_signal(sig)
     try:
         rc = proc.wait(timeout=60)

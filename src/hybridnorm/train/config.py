@@ -20,7 +20,6 @@ from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.optim import OptimConfig
 
-PRECISIONS = ("fp32", "bf16")
 TOKENIZERS = ("bpe", "bytes")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 

@@ -85,8 +85,7 @@ def _prepare_data(cfg: TrainConfig, d: Dist) -> PreparedData:
 
 
 def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data: PreparedData, step: int,
-                ckpt: Path | None) -> None:
-    train_n, val_n = len(data.train_tokens()), len(data.val_tokens())
+                ckpt: Path | None, train_n: int, val_n: int) -> None:
     log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
                 f"vocab {cfg.model.vocab_size}; data: {cfg.data.source} ({train_n:,} train / {val_n:,} val tokens); "
                 f"unigram entropy {data.stats.unigram_entropy:.3f} nats" + (f"; resumed from {ckpt}" if ckpt else ""))
@@ -162,7 +161,7 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         data.tokenizer.save(run_dir)
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
-    _log_header(log, cfg, model, data, state.step, ckpt)
+    _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens))
     for moved in found.set_aside:  # corrupt checkpoints skipped by --resume: moved, never deleted
         log.log(state.step, {"event": "corrupt_checkpoint_set_aside", "checkpoint": str(moved.checkpoint),
                              "moved_to": str(moved.moved_to), "reason": moved.reason}, "event")
