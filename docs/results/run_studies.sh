@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-.}
+STUDIES=${STUDIES:-A B}  # e.g. STUDIES=B to run only the depth study
 # Shared: 24-layer d=64 models (4 heads, 2 KV, SwiGLU 344), batch 8 × 128 tokens, fp32, the kjv-bigval split
 # (125k validation tokens, 100 batches = 102,400 scored), diagnostics every 100 steps for the verdicts.
 COMMON=(--data.source=kjv-bigval --precision=fp32 --model.d_model=64 --model.n_heads=4 --model.n_kv_heads=2
@@ -12,12 +13,12 @@ COMMON=(--data.source=kjv-bigval --precision=fp32 --model.d_model=64 --model.n_h
         --eval_batches=100 --ckpt_interval=250 --keep_last=1 --log_interval=20 --diagnostics.every=100)
 
 # (A) placement × init × lr × seed, 1,000 steps (1.02M tokens), warmup 10%.
-hybridnorm sweep --placements pre,hybridnorm,hybridnorm_star,post_shifted --init normal,megatron \
+[[ " $STUDIES " != *" A "* ]] || hybridnorm sweep --placements pre,hybridnorm,hybridnorm_star,post_shifted --init normal,megatron \
   --axis lr=1e-2,1e-3,5e-3,2e-3 --seeds 0,1,2 --warmup-frac 0.1 --max-steps 1000 --baseline pre \
   --out "$OUT/A_lr_init_24_layers" "${COMMON[@]}" --model.n_layers=24 "$@"
 
 # (B) depth at a standard lr with a long warmup, one init for all.
-hybridnorm sweep --placements pre,hybridnorm,hybridnorm_star,post_shifted --init megatron \
+[[ " $STUDIES " != *" B "* ]] || hybridnorm sweep --placements pre,hybridnorm,hybridnorm_star,post_shifted --init megatron \
   --axis depth=12,24,48 --seeds 0,1,2 --warmup-frac 0.2 --max-steps 1000 --baseline pre \
   --out "$OUT/B_depth" "${COMMON[@]}" --optim.lr=1e-3 "$@"
 
