@@ -28,6 +28,7 @@ from torch.func import functional_call
 import hybridnorm as hn
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn import kernels
+from hybridnorm.nn.attention import SDPA
 from hybridnorm.nn.ffn import SwiGLU
 from hybridnorm.nn.norms import RMSNorm
 from hybridnorm.nn.rope import apply_rope
@@ -117,6 +118,8 @@ def test_each_kernel_matches_its_plain_twin(dtype):
                      lambda x, g: functional_call(plain_norm, {"weight": g}, (x,)), (x, gain)),
         "rope": (lambda x: kernels.rope(x, cos, sin), lambda x: apply_rope(x, cos, sin), (x,)),
         "swiglu": (kernels.swiglu, _plain_swiglu, (x,)),
+        "sdpa_in_fp32": (lambda q, k, v: kernels.sdpa_in_fp32(q, k, v, None, True),
+                         lambda q, k, v: SDPA(fast=False)(q, k, v, None, True), _qkv(dtype)),
     }
     for name, (fast, plain, inputs) in pairs.items():
         out_f, grads_f = _fwd_bwd(fast, *inputs)
@@ -128,6 +131,43 @@ def test_each_kernel_matches_its_plain_twin(dtype):
             _assert_rel_close(a, b, tol, f"{name} grad {i}")
         with torch.no_grad():  # the no-autograd branch: the Function's forward helper alone
             _assert_rel_close(fast(*inputs), out_p, tol, f"{name} no-grad output")
+
+
+def _qkv(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q (2, 4, 6, 8) and GQA k, v (2, 2, 6, 8), scaled so the softmax is far from uniform."""
+    return tuple((_randn(2, h, 6, 8, seed=s) * 2).to(dtype) for h, s in ((4, 4), (2, 5), (2, 6)))
+
+
+def test_attention_upcasts_only_low_precision_cpu_at_small_head_dim(monkeypatch):
+    calls = []
+    real = kernels.sdpa_in_fp32
+    monkeypatch.setattr(kernels, "sdpa_in_fp32", lambda *a: calls.append(a[0].dtype) or real(*a))
+    q, k, v = _qkv(torch.bfloat16)
+    SDPA(fast=True)(q, k, v, None, True)
+    SDPA(fast=False)(q, k, v, None, True)  # the plain twin never does
+    SDPA(fast=True)(q.float(), k.float(), v.float(), None, True)  # fp32: the kernel as it is
+    wide = torch.zeros(1, 1, 2, kernels.UPCAST_ATTENTION_BELOW_HEAD_DIM, dtype=torch.bfloat16)
+    SDPA(fast=True)(wide, wide, wide, None, True)  # head dim 64: bf16 kernel
+    assert calls == [torch.bfloat16]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast must not undo the upcast inside
+        assert kernels.sdpa_in_fp32(q, k, v, None, True).dtype == torch.bfloat16
+
+
+def test_bf16_model_with_upcast_attention_matches_plain():
+    """A whole bf16 model (head dim 16, so the fp32 attention path runs) against the plain math: logits and
+    gradients within a few bf16 roundings of the activations (tolerance 3e-2 of the largest value)."""
+    fast, plain = _pair("hybridnorm", torch.float32)
+    ids = torch.randint(0, fast.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = []
+    for model in (fast, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        logits.float().square().mean().backward()
+        out.append((logits.detach().float(), {n: p.grad for n, p in model.named_parameters()}))
+    (lf, gf), (lp, gp) = out
+    _assert_rel_close(lf, lp, 3e-2, "bf16 logits")
+    for name, g in gp.items():
+        _assert_rel_close(gf[name], g, 5e-2, f"bf16 grad of {name}")
 
 
 def _plain_swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -73,9 +73,16 @@ class SDPA(nn.Module):
     """softmax(q kᵀ/√D + mask) v per head: q (B, H, T, D), k and v (B, Hkv, S, D) -> (B, H, T, D).
 
     With GQA (Hkv < H) query head h reads KV head h // (H / Hkv). ``mask`` (B or 1, 1, T, S) bool, True =
-    may attend; ``causal``: query i sees keys <= i (T == S, no mask)."""
+    may attend; ``causal``: query i sees keys <= i (T == S, no mask). With ``fast`` (the fast kernels), a
+    bf16 q on CPU with D < 64 runs the same kernel in fp32 (``kernels.sdpa_in_fp32``: faster there)."""
+
+    def __init__(self, fast: bool = True) -> None:
+        super().__init__()
+        self.fast = fast
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        if kernels.active(self.fast) and kernels.upcasts_attention(q):
+            return kernels.sdpa_in_fp32(q, k, v, mask, causal)
         gqa = k.shape[1] != q.shape[1]  # torch >= 2.5 maps query heads onto KV heads itself
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
@@ -102,7 +109,7 @@ class Attention(nn.Module):
         self.k_norm = maybe("K", n_kv_heads)
         self.v_norm = maybe("V", n_kv_heads)
         self.c_norm = maybe("C", n_heads)
-        self.inner = SDPA()
+        self.inner = SDPA(fast)
 
         # The heads [lo, hi) of the projection that kernels.QKVPrep norms, or None: no fused path.
         letters = "".join(c for c in "QKV" if spec.norms(c))

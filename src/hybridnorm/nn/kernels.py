@@ -11,6 +11,7 @@ and fast vs plain logits and gradients for every placement).
 ``rope``               :class:`RopeFn`; twin :func:`hybridnorm.nn.rope.apply_rope`
 ``swiglu``             :class:`SwiGLUFn`; twin the ``silu(gate) * up`` line of ``SwiGLU.forward`` (``nn.ffn``)
 ``fused_qkv``          :class:`QKVPrep`; twin the split / Q-K-V norms / RoPE lines of ``Attention.forward``
+``sdpa_in_fp32``       bf16 attention on CPU at head dim < 64 in fp32; twin ``SDPA.forward`` (``nn.attention``)
 =====================  ====================================================================================
 
 Without autograd (``torch.no_grad()`` or inputs that need no gradient) each entry point runs the same
@@ -302,3 +303,28 @@ def fused_qkv(qkv: Tensor, gain: Tensor | None, cos: Tensor, sin: Tensor, n_head
     if _needs_grad(qkv, gain):
         return QKVPrep.apply(*args)
     return qkv_prep_forward(*args)[:3]
+
+
+# -- attention: low-precision SDPA on CPU at small head dims ----------------------------------------------
+
+UPCAST_ATTENTION_BELOW_HEAD_DIM = 64
+
+
+def upcasts_attention(q: Tensor) -> bool:
+    """Whether :func:`sdpa_in_fp32` is the faster kernel for ``q`` (B, H, T, D): a bf16/fp16 q on CPU with
+    D < 64. There torch's flash-for-CPU backward in bf16 measured 1.3-2.5x slower than the same kernel in
+    fp32 plus the casts (benchmarks/README.md); from D = 64 the bf16 kernel is as fast or faster."""
+    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] < UPCAST_ATTENTION_BELOW_HEAD_DIM)
+
+
+def sdpa_in_fp32(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """softmax(q kᵀ/√D + mask) v computed in fp32 (fp64 stays fp64), returned in q's dtype; gradients flow
+    back through the casts in the inputs' dtypes. Plain twin: ``F.scaled_dot_product_attention`` on the inputs as they are
+    (``SDPA.forward`` with ``fast=False``); the flash-for-CPU kernel accumulates a bf16 input in fp32 too,
+    so the two differ only by the rounding of the scores and of the backward's intermediates."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    with torch.autocast("cpu", enabled=False):  # keep autocast from casting the fp32 copies back down
+        y = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide), attn_mask=mask, is_causal=causal,
+                                           enable_gqa=k.shape[1] != q.shape[1])
+    return y.to(q.dtype)

@@ -57,7 +57,8 @@ class TrainConfig(Config):
     max_minutes: float = bounded(0.0, ge=0)   # stop (and checkpoint) after this wall time; 0 = no limit
     stop_after_steps: int = bounded(0, ge=0)  # stop (and checkpoint) after this many steps of this invocation,
                                               # keeping the LR schedule of max_steps (resume later); 0 = no limit
-    precision: Literal["fp32", "bf16"] = "bf16"  # bf16: autocast
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: autocast; auto: bf16 where it is faster
+                                              # on this device (hybridnorm.train.precision), fp32 elsewhere
     compile: bool = False                     # torch.compile each block (hybridnorm.nn.regional): compiles once
     activation_checkpointing: bool = False    # recompute each block's activations in backward: less memory,
                                               # about one more forward of the blocks per step

@@ -54,8 +54,9 @@ from hybridnorm.train.flops import flops_per_token, measured_peak_flops
 from hybridnorm.train.host_sync import PendingSteps, StepRecord, deferred
 from hybridnorm.train.lock import claim_run_dir
 from hybridnorm.train.logger import MetricsLogger
-from hybridnorm.train.optim import build_optimizer, lr_at, set_lr
+from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, set_lr
 from hybridnorm.train.parallel import data_parallel, shard_model
+from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.retention import ResumePoint, checkpoint_for_resume
 from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
@@ -92,6 +93,7 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
     # what a reader of metrics.jsonl needs to judge the run without the data: the baseline a model that
     # ignores context reaches (the unigram cross-entropy of val) and what was actually built
     log.log(step, {"placement": cfg.model.resolved_placement().name, "init": cfg.model.resolved_init(),
+                   "precision": cfg.precision,
                    "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
                    "train_tokens_available": train_n, "val_tokens_available": val_n}, "meta")
 
@@ -137,6 +139,8 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size != vocab:  # the model's vocab always follows the tokenizer's
         cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
+    precision, why = choose_precision(cfg.precision, device, cfg.model.d_model)
+    cfg = replace(cfg, precision=precision)  # config.yaml records what was chosen, not "auto"
     train_tokens, val_tokens = data.train_tokens(), data.val_tokens()
 
     torch.manual_seed(cfg.seed)
@@ -145,7 +149,7 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     model = TransformerLM(cfg.model).to(device)
     step_model = _wrap_for_training(model, cfg, device, d)
     pending = PendingSteps(deferred(cfg.host_sync, device, cfg.diagnostics.skip_spikes))
-    optimizer = build_optimizer(model, cfg.optim, fused=pending.deferred)  # fused: the device-side skip
+    optimizer = build_optimizer(model, cfg.optim, fused=True if pending.deferred else None)  # skip needs fused
     pending.attach(optimizer, device)
     batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,
                            world_size=d.world_size)
@@ -162,6 +166,7 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
         data.tokenizer.save(run_dir)
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens))
+    log.message(f"precision: {precision} ({why}); AdamW: {describe_optimizer(optimizer)}")
     for moved in found.set_aside:  # corrupt checkpoints skipped by --resume: moved, never deleted
         log.log(state.step, {"event": "corrupt_checkpoint_set_aside", "checkpoint": str(moved.checkpoint),
                              "moved_to": str(moved.moved_to), "reason": moved.reason}, "event")
