@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Time one full training step of hybridnorm models against a stock HF Llama of identical size.
 
-A training step is: forward -> cross-entropy (fp32 logits) -> backward -> AdamW step -> zero_grad.
+A training step is: forward -> cross-entropy in fp32 (``hn.lm_loss``, the trainer's) -> backward -> AdamW step ->
+zero_grad.
 
 Compared, in ONE run and with the models INTERLEAVED step by step after warmup (round r runs each model
 once, the order rotated by r: A B C, B C A, C A B, ...; the median step time of each is reported):
@@ -29,6 +30,7 @@ import contextlib
 import gc
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -40,6 +42,9 @@ import hybridnorm as hn
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shape", choices=tuple(SHAPES), default="d512",
+                   help="preset of the size options below (an option given explicitly wins): d512 = d 512, "
+                        "4 layers, B4 x T256; studies = the docs/results studies' 24 layers, d 64, B8 x T128")
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -54,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16 (bf16 = autocast)")
     p.add_argument("--hybrid-placement", default="hybridnorm", help="placement compared against pre in (b)")
-    p.add_argument("--adamw", choices=("default", "foreach", "fused"), default="default",
-                   help="AdamW implementation (the same for every model)")
+    p.add_argument("--adamw", choices=("default", "foreach", "fused"), default="fused",
+                   help="AdamW implementation (the same for every model; fused is what the trainer runs on CPU)")
     p.add_argument("--peak-n", type=int, default=2048, help="size of the square torch.mm for peak GFLOP/s")
     p.add_argument("--malloc", choices=("retain", "system"), default="retain",
                    help="retain: glibc mallopt so freed memory is kept and reused (no mmap, no trim), as "
@@ -66,7 +71,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after timing, torch.profiler one step of each model per dtype and print its top-N ops "
                         "by self CPU time (0: off)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+    for key, value in SHAPES[args.shape].items():
+        if "--" + key.replace("_", "-") not in given:
+            setattr(args, key, value)
+    return args
+
+
+# the two shapes of benchmarks/README.md (the issue's goals are stated for both)
+SHAPES = {
+    "d512": dict(d_model=512, layers=4, heads=8, kv_heads=4, ffn=1376, vocab=8192, seq=256, batch=4),
+    "studies": dict(d_model=64, layers=24, heads=4, kv_heads=2, ffn=344, vocab=8192, seq=128, batch=8),
+}
 
 
 # -- models ----------------------------------------------------------------------------------------
@@ -184,7 +201,7 @@ def make_step(model: torch.nn.Module, forward: Callable, opt: torch.optim.Optimi
         t0, c0 = time.perf_counter(), time.process_time()
         with autocast_ctx(dtype):
             logits = forward(model, ids)
-            loss = hn.lm_loss(logits, targets)  # F.cross_entropy on fp32 logits, the same for all models
+            loss = hn.lm_loss(logits, targets)  # the trainer's fp32 loss, the same for all models
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -71,7 +71,7 @@ def _kept(model: hn.TransformerLM, ids: torch.Tensor, bf16: bool) -> int:
     hooks = [b.register_forward_pre_hook(keep_input) for b in model.blocks] if model.activation_checkpointing else []
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = hn.lm_loss(model(ids)[:, :-1], ids[:, 1:])
+            loss = hn.lm_loss(model(ids)[:, :-1], ids[:, 1:], fast=False)  # the loss CUDA runs (see below)
     for h in hooks:
         h.remove()
     del loss
@@ -94,7 +94,8 @@ TOL = 0.10
 def test_activation_formula_matches_saved_tensors(placement: str, precision: str, monkeypatch) -> None:
     torch.set_num_threads(1)
     # the plan is for GPUs: on CPU a bf16 attention at head dim < 64 runs (and saves its inputs) in fp32
-    # (kernels.sdpa_in_fp32), which CUDA never does; measure the kernels a GPU runs
+    # (kernels.sdpa_in_fp32), and the loss saves no fp32 log-softmax (kernels.cross_entropy), neither of
+    # which CUDA does; measure the kernels a GPU runs
     monkeypatch.setattr(kernels, "upcasts_attention", lambda q: False)
     model = _real("small", placement)
     B, T = 4, 64

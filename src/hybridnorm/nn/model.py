@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridnorm.errors import ConfigError
+from hybridnorm.nn import kernels
 from hybridnorm.nn.attention import KVCache
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import init_weights
@@ -202,6 +203,12 @@ def _padding_mask(attention_mask: Tensor, start: int, T: int) -> Tensor:
     return (allowed | (keys == queries))[:, None]
 
 
-def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
-    """Mean next-token cross-entropy; logits (B, T, V) already aligned with targets (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)
+def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100, fast: bool = True) -> Tensor:
+    """Mean next-token cross-entropy in fp32 (fp64 for fp64 logits); logits (B, T, V) aligned with targets (B, T).
+
+    ``fast`` on CPU: ``kernels.cross_entropy`` (no full fp32 log-softmax; the same value). The plain
+    line below is its definition and what the tests compare it with; CUDA runs the plain line."""
+    if fast and logits.device.type == "cpu" and kernels.active(True):
+        return kernels.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index)
+    wide = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(wide, targets.flatten(), ignore_index=ignore_index)
