@@ -4,9 +4,10 @@ changed config, and --jobs (worker processes) giving the runs one process would.
 import json
 
 import pytest
+import torch
 
 from hybridnorm.errors import ConfigError
-from hybridnorm.experiments.grid import Grid, point_config, run_grid
+from hybridnorm.experiments.grid import Grid, one_precision, point_config, run_grid
 from hybridnorm.experiments.runs import read_run
 
 
@@ -140,3 +141,15 @@ def test_an_unfinished_run_without_checkpoints_restarts_with_a_clean_log(make_cf
     (run,) = run_grid(paused, grid, tmp_path / "g")
     assert [r["step"] for r in run.train] == [1, 2, 3]  # one history, from step 0 again
     assert (run.path / "metrics.stale.jsonl").is_file()
+
+
+@pytest.mark.parametrize(("widths", "expected"), [((256, 512), "bf16"), ((64, 256), "fp32")])
+def test_auto_precision_is_one_choice_for_the_whole_grid(make_cfg, tmp_path, monkeypatch, widths, expected):
+    """With native bf16, auto picks bf16 for d_model >= 256 only: a grid whose widths straddle that trains
+    every run in fp32 rather than mixing precisions between the runs it compares."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    base = make_cfg(tmp_path / "base", "--precision=auto", "--model.n_heads=4", "--model.n_kv_heads=2")
+    grid = Grid(placements=["pre"], axes=[("model.d_model", list(widths))]).validate()
+    resolved = one_precision(base, grid, tmp_path / "grid")
+    assert resolved.precision == expected
+    assert one_precision(make_cfg(tmp_path / "b", "--precision=bf16"), grid, tmp_path / "grid").precision == "bf16"

@@ -37,6 +37,8 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.runs import RunRecord, read_run, slug
 from hybridnorm.placements.spec import INITS
 from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.distributed import resolve_device
+from hybridnorm.train.precision import choose_precision
 
 KNOB_ALIASES = {"lr": "optim.lr", "depth": "model.n_layers", "layers": "model.n_layers", "warmup": "optim.warmup_steps",
                 "width": "model.d_model", "steps": "max_steps", "clip": "optim.grad_clip"}
@@ -120,6 +122,21 @@ def point_config(base: TrainConfig, grid: Grid, point: GridPoint, run_dir: Path)
     if grid.warmup_frac is not None:
         cfg.optim.warmup_steps = round(grid.warmup_frac * cfg.max_steps)
     return with_diagnostics(cfg, grid.diag_every).validate()
+
+
+def one_precision(base: TrainConfig, grid: Grid, out: Path) -> TrainConfig:
+    """``base`` with ``precision="auto"`` resolved ONCE for every point of ``grid``: what ``auto`` picks for
+    each point's model on this device if that is the same for all of them, else fp32. Per point, a width or
+    depth axis could otherwise train some runs in bf16 and others in fp32, a difference no report would name."""
+    if base.precision != "auto":
+        return base
+    picks = set()
+    for p in grid.points():
+        cfg = point_config(base, grid, p, out / "runs" / p.name)
+        picks.add(choose_precision("auto", resolve_device(cfg.device), cfg.model.d_model)[0])
+    chosen = picks.pop() if len(picks) == 1 else "fp32"
+    print(f"[grid] precision auto -> {chosen} for every run", file=sys.stderr, flush=True)
+    return dataclasses.replace(base, precision=chosen)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -259,6 +276,7 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
     dirs = {p: out / "runs" / p.name for p in points}
     if not train:
         return [read_run(dirs[p]) for p in points]
+    base = one_precision(base, grid, out)
     todo = [dirs[p] for p in points if prepare_point(point_config(base, grid, p, dirs[p]), p, dirs[p])]
     print(f"[grid] {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train "
           f"({jobs} at a time) -> {out}", file=sys.stderr, flush=True)
