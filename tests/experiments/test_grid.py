@@ -131,6 +131,18 @@ def test_report_only_reads_without_training(make_cfg, tmp_path):
     assert len(runs) == 1 and not runs[0].done and not (tmp_path / "g" / "runs").exists()
 
 
+def test_records_of_unstarted_and_unfinished_runs_name_their_point_and_have_no_verdict(make_cfg, tmp_path):
+    grid = Grid(["pre", "post"], ["normal"], [("optim.lr", [1e-3])], [0, 1])
+    paused = make_cfg(tmp_path / "u", "--max_steps=6", "--ckpt_interval=2", "--stop_after_steps=3")
+    run_grid(paused, Grid(["pre"], ["normal"], [("optim.lr", [1e-3])], [0]), tmp_path / "g")  # one run, paused
+    records = [r.to_record() for r in run_grid(paused, grid, tmp_path / "g", train=False)]
+    assert [(r["placement"], r["seed"], r["init_axis"], r["knobs"]) for r in records] == [
+        (p, s, "normal", {"optim.lr": 1e-3}) for s in (0, 1) for p in ("pre", "post")]
+    assert all(r["verdict"] is None for r in records)
+    assert records[0]["verdict_reason"] == "unfinished: step 3 of 6" and records[0]["steps"] == 3
+    assert records[1]["verdict_reason"].startswith("unfinished: step 0")
+
+
 def test_an_unfinished_run_without_checkpoints_restarts_with_a_clean_log(make_cfg, tmp_path):
     import shutil
 

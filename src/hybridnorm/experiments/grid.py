@@ -274,15 +274,15 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
     out = Path(out_dir)
     points = grid.points()
     dirs = {p: out / "runs" / p.name for p in points}
+    def records() -> list[RunRecord]:  # a point not started yet still has its placement, init, knobs, seed
+        return [read_run(dirs[p], p.placement, p.seed, p.init, dict(p.knobs)) for p in points]
+
     if not train:
-        return [read_run(dirs[p]) for p in points]
+        return records()
     base = one_precision(base, grid, out)
     todo = [dirs[p] for p in points if prepare_point(point_config(base, grid, p, dirs[p]), p, dirs[p])]
     print(f"[grid] {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train "
           f"({jobs} at a time) -> {out}", file=sys.stderr, flush=True)
-
-    def records() -> list[RunRecord]:
-        return [read_run(dirs[p]) for p in points]
 
     def progress(_: Path) -> None:
         if on_progress is not None:

@@ -98,12 +98,14 @@ class RunRecord:
     def to_record(self, root: Path | None = None) -> dict[str, Any]:
         """The run's one machine-readable record (the report's ``runs.json`` holds a list of them)."""
         cfg, optim, model = self.config, self.config.get("optim", {}), self.config.get("model", {})
-        v = self.verdict
+        # a run still training has no verdict yet (its loss so far would read as stalled): null, and why
+        verdict, reason = ((self.verdict.verdict, self.verdict.reason) if self.done else
+                           (None, f"unfinished: step {self.last_step} of {cfg.get('max_steps', '?')}"))
         last_eval = self.eval[-1] if self.eval else {}
         return {
             "run": str(self.path.relative_to(root)) if root else str(self.path),
             "placement": self.placement, "init": self.resolved_init, "init_axis": self.init,
-            "knobs": self.knobs, "seed": self.seed, "verdict": v.verdict, "verdict_reason": v.reason,
+            "knobs": self.knobs, "seed": self.seed, "verdict": verdict, "verdict_reason": reason,
             "done": self.done,
             "final_train_loss": _num(self.train[-1]["loss"]) if self.train else None,
             "final_val_loss": _num(last_eval.get("val_loss")), "val_tokens": last_eval.get("val_tokens"),
@@ -122,8 +124,10 @@ def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def read_run(path: str | Path, placement: str | None = None, seed: int | None = None) -> RunRecord:
-    """A run folder's record; placement and seed come from ``point.json`` when the grid wrote one."""
+def read_run(path: str | Path, placement: str | None = None, seed: int | None = None, init: str | None = None,
+             knobs: dict[str, Any] | None = None) -> RunRecord:
+    """A run folder's record; placement, seed, init and knobs come from ``point.json`` when the grid wrote
+    one, else from the arguments (a grid point not started yet)."""
     path = Path(path)
     point: dict[str, Any] = {}
     point_file = path / "point.json"
@@ -131,7 +135,8 @@ def read_run(path: str | Path, placement: str | None = None, seed: int | None = 
         point = json.loads(point_file.read_text(encoding="utf-8"))
     p = point.get("point", {})
     rec = RunRecord(path, p.get("placement", placement or "?"), int(p.get("seed", seed or 0)),
-                    init=p.get("init", "paper"), knobs=dict(p.get("knobs", {})), config=point.get("config", {}),
+                    init=p.get("init", init or "paper"), knobs=dict(p.get("knobs", knobs or {})),
+                    config=point.get("config", {}),
                     done=(path / "done.json").is_file())
     metrics = path / "metrics.jsonl"
     if metrics.is_file():
