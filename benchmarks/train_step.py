@@ -30,7 +30,6 @@ import contextlib
 import gc
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -45,14 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", choices=tuple(SHAPES), default="d512",
                    help="preset of the size options below (an option given explicitly wins): d512 = d 512, "
                         "4 layers, B4 x T256; studies = the docs/results studies' 24 layers, d 64, B8 x T128")
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=1376, help="SwiGLU hidden (HF intermediate_size)")
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    # the size options default to None: the --shape preset fills in every one not given
+    p.add_argument("--d-model", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--ffn", type=int, help="SwiGLU hidden (HF intermediate_size)")
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
     p.add_argument("--rope-theta", type=float, default=500_000.0)
     p.add_argument("--reps", type=int, default=30, help="timed steps per model (after warmup)")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per model first")
@@ -72,9 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "by self CPU time (0: off)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
     for key, value in SHAPES[args.shape].items():
-        if "--" + key.replace("_", "-") not in given:
+        if getattr(args, key) is None:
             setattr(args, key, value)
     return args
 

@@ -274,6 +274,7 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
     out = Path(out_dir)
     points = grid.points()
     dirs = {p: out / "runs" / p.name for p in points}
+
     def records() -> list[RunRecord]:  # a point not started yet still has its placement, init, knobs, seed
         return [read_run(dirs[p], p.placement, p.seed, p.init, dict(p.knobs)) for p in points]
 

@@ -99,7 +99,8 @@ class RunRecord:
         """The run's one machine-readable record (the report's ``runs.json`` holds a list of them)."""
         cfg, optim, model = self.config, self.config.get("optim", {}), self.config.get("model", {})
         # a run still training has no verdict yet (its loss so far would read as stalled): null, and why
-        verdict, reason = ((self.verdict.verdict, self.verdict.reason) if self.done else
+        v = self.verdict if self.done else None
+        verdict, reason = ((v.verdict, v.reason) if v else
                            (None, f"unfinished: step {self.last_step} of {cfg.get('max_steps', '?')}"))
         last_eval = self.eval[-1] if self.eval else {}
         return {

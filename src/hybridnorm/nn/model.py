@@ -208,7 +208,7 @@ def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100, fast: boo
 
     ``fast`` on CPU: ``kernels.cross_entropy`` (no full fp32 log-softmax; the same value). The plain
     line below is its definition and what the tests compare it with; CUDA runs the plain line."""
-    if fast and logits.device.type == "cpu" and kernels.active(True):
+    if kernels.active(fast) and logits.device.type == "cpu":
         return kernels.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index)
     wide = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(wide, targets.flatten(), ignore_index=ignore_index)

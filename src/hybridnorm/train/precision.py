@@ -30,10 +30,7 @@ BF16_MIN_D_MODEL_CPU = 256  # see the table above
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AMX tiles or AVX512-BF16)."""
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # torch.cpu's own probes (cpuinfo)
-    found = [getattr(torch.cpu, name, None) for name in probes]
-    if any(callable(f) for f in found):
-        return any(bool(f()) for f in found if callable(f))
-    return False
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def choose_precision(requested: str, device: torch.device, d_model: int) -> tuple[str, str]:
