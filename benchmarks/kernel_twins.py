@@ -4,9 +4,10 @@
 For every case the two are interleaved call by call (fast, plain, fast, plain, ...) after warmup, and the
 median time of each and their ratio ``plain / fast`` are printed (> 1: the kernel is faster). The shapes are
 those of the benchmark models and the default job: the LM loss over 1k and 4k rows of an 8192 vocabulary
-(studies / d512 batches, the default job's batch), and attention at the studies' (head dim 16), the
+(studies / d512 batches, the default job's batch), the LM head fused with the loss against ``F.linear`` +
+the plain loss (1k rows at d=64: the studies; 4k rows at d=256: the default job), and attention at the studies' (head dim 16), the
 default job's (32) and d512's (64) shapes. Nothing is asserted: correctness is pytest's business
-(tests/nn/test_kernels.py).
+(tests/nn/test_kernels.py, tests/nn/test_loss_kernels.py).
 
     python benchmarks/kernel_twins.py
     python benchmarks/kernel_twins.py --reps 40 --only cross_entropy
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from hybridnorm.nn import kernels
 from hybridnorm.nn.attention import SDPA
@@ -44,7 +46,8 @@ def fwd_bwd(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[
 
 def cases() -> dict[str, list[tuple[str, Callable[[], None], Callable[[], None]]]]:
     g = torch.Generator().manual_seed(0)
-    out: dict[str, list[tuple[str, Callable[[], None], Callable[[], None]]]] = {"cross_entropy": [], "attention": []}
+    out: dict[str, list[tuple[str, Callable[[], None], Callable[[], None]]]] = {
+        "cross_entropy": [], "head+loss": [], "attention": []}
     for rows, dtype in ((1024, F32), (1024, BF16), (4096, F32), (4096, BF16)):
         logits = torch.randn(1, rows, 8192, generator=g).to(dtype)
         targets = torch.randint(0, 8192, (1, rows), generator=g)
@@ -52,6 +55,22 @@ def cases() -> dict[str, list[tuple[str, Callable[[], None], Callable[[], None]]
             f"{rows} x 8192 {str(dtype)[6:]}",
             fwd_bwd(lambda x, t=targets: lm_loss(x, t), logits),
             fwd_bwd(lambda x, t=targets: lm_loss(x, t, fast=False), logits)))
+    # the LM head fused with the loss, against F.linear + the plain loss: hidden (N, d), weight (8192, d) fp32,
+    # bf16 as the trainer runs it (autocast over fp32 master weights)
+    for rows, d, bf16 in ((1024, 64, False), (1024, 64, True), (4096, 256, False), (4096, 256, True)):
+        hidden, weight = torch.randn(rows, d, generator=g), torch.randn(8192, d, generator=g) * d**-0.5
+        targets = torch.randint(0, 8192, (rows,), generator=g)
+
+        def autocast(fn: Callable[..., torch.Tensor], on: bool = bf16) -> Callable[..., torch.Tensor]:
+            def run(*a: torch.Tensor) -> torch.Tensor:
+                with torch.autocast("cpu", dtype=BF16, enabled=on):
+                    return fn(*a)
+            return run
+        out["head+loss"].append((
+            f"{rows} x {d} -> 8192 {'bf16 autocast' if bf16 else 'fp32'}",
+            fwd_bwd(autocast(lambda h, w, t=targets: kernels.linear_cross_entropy(h, w, t)), hidden, weight),
+            fwd_bwd(autocast(lambda h, w, t=targets: lm_loss(F.linear(h, w)[None], t[None], fast=False)),
+                    hidden, weight)))
     fast, plain = SDPA(fast=True), SDPA(fast=False)
     for B, H, Hkv, T, D in ((8, 4, 2, 128, 16), (16, 8, 4, 256, 32), (4, 8, 4, 256, 64)):
         q = torch.randn(B, H, T, D, generator=g).to(BF16)
@@ -80,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", choices=("cross_entropy", "attention"))
+    p.add_argument("--only", choices=("cross_entropy", "head+loss", "attention"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

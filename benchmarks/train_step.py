@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Time one full training step of hybridnorm models against a stock HF Llama of identical size.
 
-A training step is: forward -> cross-entropy in fp32 (``hn.lm_loss``, the trainer's) -> backward -> AdamW step ->
-zero_grad.
+A training step is: forward -> cross-entropy in fp32 -> backward -> AdamW step -> zero_grad. The loss of our
+models is the trainer's, ``model(ids, targets=...)`` (on CPU the LM head fused with the loss, no logits
+tensor); HF's is ``hn.lm_loss`` of its logits (our chunked cross-entropy: faster than its stock loss).
+``--loss logits`` gives every model ``hn.lm_loss`` of its logits, so the ratio measures the models alone.
 
 Compared, in ONE run and with the models INTERLEAVED step by step after warmup (round r runs each model
 once, the order rotated by r: A B C, B C A, C A B, ...; the median step time of each is reported):
@@ -61,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hybrid-placement", default="hybridnorm", help="placement compared against pre in (b)")
     p.add_argument("--adamw", choices=("default", "foreach", "fused"), default="fused",
                    help="AdamW implementation (the same for every model; fused is what the trainer runs on CPU)")
+    p.add_argument("--loss", choices=("trainer", "logits"), default="trainer",
+                   help="our models' loss: the trainer's model(ids, targets=...) (head fused with the loss on "
+                        "CPU), or hn.lm_loss of the logits like HF's (the models alone)")
     p.add_argument("--peak-n", type=int, default=2048, help="size of the square torch.mm for peak GFLOP/s")
     p.add_argument("--malloc", choices=("retain", "system"), default="retain",
                    help="retain: glibc mallopt so freed memory is kept and reused (no mmap, no trim), as "
@@ -141,6 +146,18 @@ def our_forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(ids)
 
 
+def hf_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return hn.lm_loss(hf_forward(model, ids), targets)
+
+
+def our_logits_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return hn.lm_loss(our_forward(model, ids), targets)
+
+
+def our_trainer_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(ids, targets=targets)  # the trainer's call: on CPU the head fused with the loss
+
+
 def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # tied weights are one Parameter: counted once
 
@@ -193,14 +210,13 @@ def make_optimizer(model: torch.nn.Module, impl: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **kw)
 
 
-def make_step(model: torch.nn.Module, forward: Callable, opt: torch.optim.Optimizer, ids: torch.Tensor,
+def make_step(model: torch.nn.Module, loss_of: Callable, opt: torch.optim.Optimizer, ids: torch.Tensor,
               targets: torch.Tensor, dtype: str) -> Callable[[], tuple[float, float]]:
-    """One training step; returns (wall seconds, process CPU seconds)."""
+    """One training step; returns (wall seconds, process CPU seconds). ``loss_of(model, ids, targets)``."""
     def step() -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
         with autocast_ctx(dtype):
-            logits = forward(model, ids)
-            loss = hn.lm_loss(logits, targets)  # the trainer's fp32 loss, the same for all models
+            loss = loss_of(model, ids, targets)  # fp32
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -279,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {platform.processor() or platform.machine()}")
     print(f"model: d={args.d_model} L={args.layers} H={args.heads} Hkv={args.kv_heads} ffn={args.ffn} "
           f"V={args.vocab} | batch {args.batch} x seq {args.seq} = {args.batch * args.seq} tokens | "
-          f"AdamW {args.adamw} | malloc {malloc}")
+          f"AdamW {args.adamw} | our loss {args.loss} | malloc {malloc}")
 
     pre = hn.TransformerLM(our_config(args, "pre"))
     hyb = hn.TransformerLM(our_config(args, args.hybrid_placement))
@@ -298,9 +314,10 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             diff = (hf_forward(hf, ids) - our_forward(pre, ids)).abs().max().item()
         print(f"same weights -> max |logits_HF - logits_pre| = {diff:.2e} (fp32; should be ~1e-5 or less)")
-        models["hf_llama"] = (hf, hf_forward)
-    models["pre"] = (pre, our_forward)
-    models[args.hybrid_placement] = (hyb, our_forward)
+        models["hf_llama"] = (hf, hf_loss)
+    ours = our_trainer_loss if args.loss == "trainer" else our_logits_loss
+    models["pre"] = (pre, ours)
+    models[args.hybrid_placement] = (hyb, ours)
     print(f"parameter count {args.hybrid_placement}: {num_params(hyb):,}")
 
     n_matmul = matmul_params(pre)

@@ -114,17 +114,14 @@ def test_nan_run_reports_step_and_module_and_keeps_checkpoint(make_cfg, tmp_path
 def _spike_loss_at(monkeypatch, step: int, first_step: int = 0, factor: float = 50.0) -> None:
     """Multiply the training loss (and so its gradients) by ``factor`` at optimizer step ``step`` (1-based),
     for a run whose first step is ``first_step + 1`` (grad_accum 1)."""
-    original, calls = train_step.lm_loss, [first_step]
+    original, calls = train_step.training_loss, [first_step]
 
-    def lm_loss(logits, targets, *args, **kwargs):
-        loss = original(logits, targets, *args, **kwargs)
-        if torch.is_grad_enabled():  # training, not evaluation
-            calls[0] += 1
-            if calls[0] == step:
-                return loss * factor
-        return loss
+    def training_loss(model, x, y):  # called once per micro-batch of training, never by evaluation
+        loss, aux = original(model, x, y)
+        calls[0] += 1
+        return (loss * factor if calls[0] == step else loss), aux
 
-    monkeypatch.setattr(train_step, "lm_loss", lm_loss)  # the loss of the training step (train/step.py)
+    monkeypatch.setattr(train_step, "training_loss", training_loss)  # the loss of the training step (train/step.py)
 
 
 def test_skip_spikes_skips_the_same_step_straight_and_resumed(make_cfg, tmp_path, monkeypatch):

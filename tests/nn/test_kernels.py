@@ -101,13 +101,13 @@ def _targets(n: int, vocab: int, seed: int = 7) -> torch.Tensor:
 def test_gradcheck_cross_entropy(monkeypatch):
     t = _targets(10, 11)
     assert gradcheck(lambda x: kernels.CrossEntropyFn.apply(x, t, -100), (_randn(10, 11),))
-    monkeypatch.setattr(kernels, "CE_CHUNK_ELEMENTS", 33)  # rows spread over several chunks (3 rows each)
+    monkeypatch.setattr(kernels.loss, "CE_CHUNK_ELEMENTS", 33)  # rows spread over several chunks (3 rows each)
     assert gradcheck(lambda x: kernels.CrossEntropyFn.apply(x, t, -100), (_randn(10, 11, seed=1),))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_lm_loss_fast_matches_plain_and_leaves_logits_alone(dtype, monkeypatch):
-    monkeypatch.setattr(kernels, "CE_CHUNK_ELEMENTS", 5 * 40)  # 5 rows per chunk: the chunk loop runs
+    monkeypatch.setattr(kernels.loss, "CE_CHUNK_ELEMENTS", 5 * 40)  # 5 rows per chunk: the chunk loop runs
     logits = (_randn(3, 8, 40) * 3).to(dtype)
     targets = _targets(24, 40).view(3, 8)
     before = logits.detach().clone()
@@ -314,7 +314,7 @@ def test_plain_differs_from_a_broken_kernel(monkeypatch):
     def flipped(x, cos, sin, out, inverse=False):
         return broken(x, cos, sin, out, inverse=not inverse)
 
-    monkeypatch.setattr(kernels, "rope_into", flipped)
+    monkeypatch.setattr(kernels.attention, "rope_into", flipped)  # what QKVPrep calls
     with pytest.raises(AssertionError, match="logits"):
         check_fast_vs_plain("hybridnorm", torch.float64)
 

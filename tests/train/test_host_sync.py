@@ -51,17 +51,14 @@ def _same_checkpoints(a, b) -> None:
 
 def _spike_at(monkeypatch, step: int, factor: float = 50.0) -> None:
     """The training loss (and its gradients) times ``factor`` at step ``step`` (grad_accum 1)."""
-    original, calls = train_step.lm_loss, [0]
+    original, calls = train_step.training_loss, [0]
 
-    def lm_loss(logits, targets, *args, **kwargs):
-        loss = original(logits, targets, *args, **kwargs)
-        if torch.is_grad_enabled():
-            calls[0] += 1
-            if calls[0] == step:
-                return loss * factor
-        return loss
+    def training_loss(model, x, y):  # called once per micro-batch of training, never by evaluation
+        loss, aux = original(model, x, y)
+        calls[0] += 1
+        return (loss * factor if calls[0] == step else loss), aux
 
-    monkeypatch.setattr(train_step, "lm_loss", lm_loss)
+    monkeypatch.setattr(train_step, "training_loss", training_loss)
 
 
 def test_deferred_run_logs_and_saves_what_the_plain_run_does(make_cfg, tmp_path, monkeypatch, fused):

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn import kernels
-from hybridnorm.nn.attention import KVCache
+from hybridnorm.nn.attention import KVCache, has_hooks
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import init_weights
 from hybridnorm.nn.norms import build_norm
@@ -65,8 +65,13 @@ class TransformerLM(nn.Module):
 
     def forward(self, input_ids: Tensor, *, cache: KVCache | None = None, return_aux: bool = False,
                 attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+                position_ids: Tensor | None = None,
+                targets: Tensor | None = None) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         """Logits (B, T, V) for token ids (B, T); with ``return_aux`` also the MoE losses.
+
+        With ``targets`` (B, T) (``-100``: not scored) it returns :func:`lm_loss` of the logits against
+        them instead, a 0-d fp32 tensor; on CPU the fast kernels compute it without the logits
+        (:func:`hybridnorm.nn.kernels.linear_cross_entropy`; ``fast_kernels=False``: the plain line).
 
         ``V`` is ``config.embedding_size`` (the vocab padded to ``pad_vocab_multiple``). ``cache`` is a
         :class:`KVCache` or anything with its ``pos``/``update`` (the HF wrapper adapts a transformers
@@ -103,8 +108,20 @@ class TransformerLM(nn.Module):
             cache.pos += T
         if self.final_norm is not None:
             x = self.final_norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)
-        return (logits, self.aux_losses()) if return_aux else logits
+        out = self._head(x) if targets is None else self._loss(x, targets)  # (B, T, V) logits, or the loss
+        return (out, self.aux_losses()) if return_aux else out
+
+    def _head(self, x: Tensor) -> Tensor:
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)  # (B, T, V)
+
+    def _loss(self, x: Tensor, targets: Tensor) -> Tensor:
+        """lm_loss(head(x), targets); x (B, T, d) after the final norm. The fused kernel reads the head's
+        weight directly, so an untied head with hooks goes through the module (its hooks fire)."""
+        fast = self.config.fast_kernels
+        if kernels.active(fast) and x.device.type == "cpu" and (self.lm_head is None or not has_hooks(self.lm_head)):
+            weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight  # (V, d)
+            return kernels.linear_cross_entropy(x.flatten(0, 1), weight, targets.flatten())
+        return lm_loss(self._head(x), targets, fast=fast)
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The MoE losses of the last forward, averaged over layers, and their weighted sum

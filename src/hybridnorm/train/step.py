@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from hybridnorm.data import val_batches
-from hybridnorm.nn.model import lm_loss
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import Dist, all_reduce_max
 
@@ -50,6 +49,12 @@ class StepGradients:
     micro_batches: list[tuple[Tensor, Tensor]]  # kept for the divergence report's re-run
 
 
+def training_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """``lm_loss`` of the model's logits for x against y, and the MoE losses ({} if dense). The model computes
+    it (``targets=``), so that on CPU the fast kernels fuse the LM head with the loss (no logits tensor)."""
+    return model(x, targets=y, return_aux=True)
+
+
 def forward_backward(step_model: nn.Module, batches: Iterator[tuple[Tensor, Tensor]], cfg: TrainConfig,
                      device: torch.device, d: Dist) -> StepGradients:
     """Accumulate the gradients of ``cfg.grad_accum`` micro-batches of ``batches`` into ``.grad``."""
@@ -62,8 +67,7 @@ def forward_backward(step_model: nn.Module, batches: Iterator[tuple[Tensor, Tens
         last = micro == cfg.grad_accum - 1
         sync = contextlib.nullcontext() if not d.enabled or last else step_model.no_sync()  # one all-reduce/step
         with sync, autocast(cfg.precision, device):
-            logits, aux = step_model(x, return_aux=True)  # (B, T, V)
-            loss = lm_loss(logits, y)
+            loss, aux = training_loss(step_model, x, y)
             total = loss + aux["aux_loss"] if aux else loss
             (total / cfg.grad_accum).backward()
         loss_sum += loss.detach()
@@ -100,7 +104,7 @@ def _eval_sums(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device,
     n_run = 0
     for x, y in val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size):
         with autocast(cfg.precision, device):
-            loss = lm_loss(model(x.to(device)), y.to(device))
+            loss = model(x.to(device), targets=y.to(device))  # lm_loss of the logits
         total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
         n_run += 1
     if d.enabled:

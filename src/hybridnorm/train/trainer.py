@@ -32,7 +32,7 @@ import torch
 from hybridnorm.data import PreparedData, TokenBatches, prepare_data
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
-from hybridnorm.nn.model import TransformerLM, lm_loss
+from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
 from hybridnorm.train.checkpoint import (
     TrainState,
@@ -180,7 +180,7 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the divergence report's re-run
         with autocast(cfg.precision, device):
-            return lm_loss(model(x), y)
+            return model(x, targets=y)
 
     def run_eval() -> None:
         result.val_loss, n_scored = evaluate(model, val_tokens, cfg, device, d)
