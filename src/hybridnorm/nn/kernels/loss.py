@@ -123,15 +123,21 @@ def linear_cross_entropy_forward(hidden: Tensor, weight: Tensor, targets: Tensor
         rows = slice(s, s + chunks.step)
         h = hidden[rows]  # (n, d)
         z = (h @ weight.T).to(acc)  # (n, V) the chunk's logits, fp32 for fp32/bf16 inputs
-        lse = torch.logsumexp(z, -1, keepdim=True)  # (n, 1)
-        total += ((lse.squeeze(1) - z.gather(1, tgt[rows]).squeeze(1)) * valid[rows]).sum()
+        picked = z.gather(1, tgt[rows])  # (n, 1) the target's logit
+        top = z.amax(-1, keepdim=True)  # (n, 1)
+        e = z.sub_(top).exp_()  # (n, V) exp(z − max), in place: one exp per logit for loss and gradient
+        sums = e.sum(-1, keepdim=True)  # (n, 1)
+        lse = sums.log().add_(top)  # (n, 1) logsumexp, as torch.logsumexp computes it
+        total += ((lse - picked).squeeze(1) * valid[rows]).sum()
         if grad_hidden or grad_weight:
             w = row_weight[rows, None]  # (n, 1)
-            dz = z.sub_(lse).exp_().mul_(w).scatter_add_(1, tgt[rows], w.neg()).to(hidden.dtype)  # (n, V)
+            dz = e.mul_(w / sums).scatter_add_(1, tgt[rows], w.neg()).to(hidden.dtype)  # (softmax − onehot)·w
             if d_hidden is not None:
                 torch.mm(dz, weight, out=d_hidden[rows])  # (n, d)
-            if d_weight is not None:
-                d_weight += dz.T @ h  # (V, d), summed over the chunks in fp32
+            if d_weight is not None and dz.dtype == acc:
+                d_weight.addmm_(dz.T, h)  # (V, d), summed over the chunks in place
+            elif d_weight is not None:
+                d_weight += dz.T @ h  # a bf16 chunk's term, summed in fp32
     return total / count, d_hidden, None if d_weight is None else d_weight.to(weight.dtype)
 
 
