@@ -5,8 +5,8 @@ For every case the two are interleaved call by call (fast, plain, fast, plain, .
 median time of each and their ratio ``plain / fast`` are printed (> 1: the kernel is faster). The shapes are
 those of the benchmark models and the default job: the LM loss over 1k and 4k rows of an 8192 vocabulary
 (studies / d512 batches, the default job's batch), the LM head fused with the loss against ``F.linear`` +
-the plain loss (1k rows at d=64: the studies; 4k rows at d=256: the default job), and attention at the studies' (head dim 16), the
-default job's (32) and d512's (64) shapes. Nothing is asserted: correctness is pytest's business
+the chunked loss (1k rows at d=64: the studies; 4k rows at d=256: the default job; 1k at d=512), and
+attention at the studies' (head dim 16), the default job's (32) and d512's (64) shapes. Nothing is asserted: correctness is pytest's business
 (tests/nn/test_kernels.py, tests/nn/test_loss_kernels.py).
 
     python benchmarks/kernel_twins.py
@@ -55,9 +55,11 @@ def cases() -> dict[str, list[tuple[str, Callable[[], None], Callable[[], None]]
             f"{rows} x 8192 {str(dtype)[6:]}",
             fwd_bwd(lambda x, t=targets: lm_loss(x, t), logits),
             fwd_bwd(lambda x, t=targets: lm_loss(x, t, fast=False), logits)))
-    # the LM head fused with the loss, against F.linear + the plain loss: hidden (N, d), weight (8192, d) fp32,
-    # bf16 as the trainer runs it (autocast over fp32 master weights)
-    for rows, d, bf16 in ((1024, 64, False), (1024, 64, True), (4096, 256, False), (4096, 256, True)):
+    # the LM head fused with the loss, against F.linear + the chunked loss (what the trainer ran before; the
+    # rows above time that loss against the plain one): hidden (N, d), weight (8192, d) fp32, bf16 as the
+    # trainer runs it (autocast over fp32 master weights)
+    for rows, d, bf16 in ((1024, 64, False), (1024, 64, True), (4096, 256, False), (4096, 256, True),
+                          (1024, 512, False), (1024, 512, True)):
         hidden, weight = torch.randn(rows, d, generator=g), torch.randn(8192, d, generator=g) * d**-0.5
         targets = torch.randint(0, 8192, (rows,), generator=g)
 
@@ -69,7 +71,7 @@ def cases() -> dict[str, list[tuple[str, Callable[[], None], Callable[[], None]]
         out["head+loss"].append((
             f"{rows} x {d} -> 8192 {'bf16 autocast' if bf16 else 'fp32'}",
             fwd_bwd(autocast(lambda h, w, t=targets: kernels.linear_cross_entropy(h, w, t)), hidden, weight),
-            fwd_bwd(autocast(lambda h, w, t=targets: lm_loss(F.linear(h, w)[None], t[None], fast=False)),
+            fwd_bwd(autocast(lambda h, w, t=targets: lm_loss(F.linear(h, w)[None], t[None])),
                     hidden, weight)))
     fast, plain = SDPA(fast=True), SDPA(fast=False)
     for B, H, Hkv, T, D in ((8, 4, 2, 128, 16), (16, 8, 4, 256, 32), (4, 8, 4, 256, 64)):
