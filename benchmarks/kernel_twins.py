@@ -6,8 +6,8 @@ median time of each and their ratio ``plain / fast`` are printed (> 1: the kerne
 those of the benchmark models and the default job: the LM loss over 1k and 4k rows of an 8192 vocabulary
 (studies / d512 batches, the default job's batch), the LM head fused with the loss against ``F.linear`` +
 the chunked loss (1k rows at d=64: the studies; 4k rows at d=256: the default job; 1k at d=512), and
-attention at the studies' (head dim 16), the default job's (32) and d512's (64) shapes. Nothing is asserted: correctness is pytest's business
-(tests/nn/test_kernels.py, tests/nn/test_loss_kernels.py).
+attention at the studies' (head dim 16), the default job's (32) and d512's (64) shapes. Nothing is
+asserted: correctness is pytest's business (tests/nn/test_kernels.py, tests/nn/test_loss_kernels.py).
 
     python benchmarks/kernel_twins.py
     python benchmarks/kernel_twins.py --reps 40 --only cross_entropy
