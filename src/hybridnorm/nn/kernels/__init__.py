@@ -25,24 +25,24 @@ plain elementwise math itself, and these Functions' ``out=`` writes into strided
 """
 
 from hybridnorm.nn.kernels.attention import (
-                                             UPCAST_ATTENTION_BELOW_HEAD_DIM,
-                                             QKVPrep,
-                                             fused_qkv,
-                                             fused_qkv_range,
-                                             sdpa_in_fp32,
-                                             upcasts_attention,
+    UPCAST_ATTENTION_BELOW_HEAD_DIM,
+    QKVPrep,
+    fused_qkv,
+    fused_qkv_range,
+    sdpa_in_fp32,
+    upcasts_attention,
 )
 from hybridnorm.nn.kernels.common import active
 from hybridnorm.nn.kernels.elementwise import (
-                                             RMSNormFn,
-                                             RopeFn,
-                                             SwiGLUFn,
-                                             rms_norm,
-                                             rms_norm_backward,
-                                             rms_norm_forward,
-                                             rope,
-                                             rope_into,
-                                             swiglu,
+    RMSNormFn,
+    RopeFn,
+    SwiGLUFn,
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_forward,
+    rope,
+    rope_into,
+    swiglu,
 )
 from hybridnorm.nn.kernels.loss import CrossEntropyFn, LinearCrossEntropyFn, cross_entropy, linear_cross_entropy
 

@@ -16,8 +16,6 @@ def needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-
 def acc_dtype(x: Tensor) -> torch.dtype:
     """The compute dtype of the norms and the loss: fp32 for fp32/bf16/fp16 inputs (fp64 stays fp64)."""
     return torch.promote_types(x.dtype, torch.float32)
-

@@ -136,8 +136,8 @@ def linear_cross_entropy_forward(hidden: Tensor, weight: Tensor, targets: Tensor
                 torch.mm(dz, weight, out=d_hidden[rows])  # (n, d)
             if d_weight is not None and dz.dtype == acc:
                 d_weight.addmm_(dz.T, h)  # (V, d), summed over the chunks in place
-            elif d_weight is not None:
-                d_weight += dz.T @ h  # a bf16 chunk's term, summed in fp32
+            elif d_weight is not None:  # a bf16 chunk: addmm_ cannot mix dtypes, its term is summed in fp32
+                d_weight += dz.T @ h
     return total / count, d_hidden, None if d_weight is None else d_weight.to(weight.dtype)
 
 
