@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
-from train_step import retain_malloc, time_alternating
+from compile_step import shifted_loss
+from train_step import autocast_ctx, make_step, retain_malloc, time_alternating
 
 import hybridnorm as hn
 from hybridnorm.nn.regional import checkpoint_blocks
@@ -52,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def loss_of(model: hn.TransformerLM, ids: torch.Tensor, dtype: str) -> torch.Tensor:
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-        return hn.lm_loss(model(ids)[:, :-1], ids[:, 1:])
+    with autocast_ctx(dtype, ids.device.type):
+        return shifted_loss(model, ids, ids[:, 1:])
 
 
 def kept_bytes(model: hn.TransformerLM, ids: torch.Tensor, dtype: str) -> int:
@@ -99,21 +98,6 @@ def peak_bytes(model: hn.TransformerLM, ids: torch.Tensor, dtype: str) -> tuple[
     return peak, (torch.cuda.max_memory_allocated() - base) if cuda else None
 
 
-def make_step(model: hn.TransformerLM, ids: torch.Tensor, dtype: str) -> Callable[[], tuple[float, float]]:
-    """One training step (forward, loss, backward, AdamW); returns (wall seconds, process CPU seconds)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-    def step() -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss_of(model, ids, dtype).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if ids.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, time.process_time() - c0
-    return step
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     malloc = retain_malloc()
@@ -132,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
           f"malloc {malloc}")
     print(f"{'dtype':<6}{'model':>14}{'kept MiB':>10}{'peak MiB':>10}{'cuda peak':>10}{'step s':>9}")
     for dtype in (d.strip() for d in args.dtypes.split(",") if d.strip()):
-        wall, _ = time_alternating({name: make_step(m, ids, dtype) for name, m in models.items()}, 1, args.reps)
+        steps = {name: make_step(m, shifted_loss, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), ids,
+                                 ids[:, 1:], dtype) for name, m in models.items()}
+        wall, _ = time_alternating(steps, 1, args.reps)
         rows = {}
         for name, model in models.items():
             kept = kept_bytes(model, ids, dtype)

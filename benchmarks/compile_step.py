@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from torch._dynamo.utils import counters
-from train_step import paired_ratio, retain_malloc, time_alternating
+from train_step import make_step, paired_ratio, retain_malloc, time_alternating
 
 import hybridnorm as hn
 from hybridnorm.nn.regional import compile_blocks
@@ -45,19 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, dtype: str,
-              sync: Callable[[], None]) -> Callable[[], tuple[float, float]]:
-    """One training step; returns (wall seconds, process CPU seconds)."""
-    def step() -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = hn.lm_loss(model(ids)[:, :-1], ids[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        return time.perf_counter() - t0, time.process_time() - c0
-    return step
+def shifted_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The LM loss of the logits of every position but the last (``targets`` = ``ids[:, 1:]``)."""
+    return hn.lm_loss(model(ids)[:, :-1], targets)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,7 +53,6 @@ def main(argv: list[str] | None = None) -> None:
     malloc = retain_malloc()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cfg = hn.ModelConfig.from_preset(args.size, placement=args.placement)
     torch.manual_seed(args.seed)
     eager = hn.TransformerLM(cfg).to(device)
@@ -73,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     compiled.load_state_dict(eager.state_dict())
     compile_blocks(compiled, backend=args.backend)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
-    steps = {name: make_step(m, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), ids, args.dtype, sync)
+    steps = {name: make_step(m, shifted_loss, torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True), ids,
+                             ids[:, 1:], args.dtype)
              for name, m in (("eager", eager), ("compiled", compiled))}
 
     print(f"torch {torch.__version__}, {args.threads} threads, {device} | {args.size} {args.placement}: "

@@ -199,9 +199,9 @@ def retain_malloc() -> str:
 
 # -- timing ----------------------------------------------------------------------------------------
 
-def autocast_ctx(dtype: str) -> contextlib.AbstractContextManager:
+def autocast_ctx(dtype: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
     if dtype == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -212,14 +212,17 @@ def make_optimizer(model: torch.nn.Module, impl: str) -> torch.optim.Optimizer:
 
 def make_step(model: torch.nn.Module, loss_of: Callable, opt: torch.optim.Optimizer, ids: torch.Tensor,
               targets: torch.Tensor, dtype: str) -> Callable[[], tuple[float, float]]:
-    """One training step; returns (wall seconds, process CPU seconds). ``loss_of(model, ids, targets)``."""
+    """One training step; returns (wall seconds, process CPU seconds). ``loss_of(model, ids, targets)``. On
+    CUDA the step ends with a device sync, so that the wall time covers the kernels it queued."""
     def step() -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
-        with autocast_ctx(dtype):
+        with autocast_ctx(dtype, ids.device.type):
             loss = loss_of(model, ids, targets)  # fp32
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0, time.process_time() - c0
     return step
 

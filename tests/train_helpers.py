@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import socket
@@ -14,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hybridnorm.config import SIZES
+from hybridnorm.nn.block import Block
 
 WORDS = ("the lord said unto moses and aaron go forth into a land of milk and honey where the people shall "
          "keep my law by day and by night for they are my people and i am their god behold the river ran "
@@ -58,9 +60,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank: int, world: int, port: int, overrides: list[str], report_dir: str) -> None:
+def rank_env(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives rank ``rank`` of ``world`` on this machine (gloo rendezvous at ``port``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+
+def spawn_ranks(worker, world: int, args: tuple, timeout_s: float, what: str) -> None:
+    """Run ``worker(rank, world, port, *args)`` in ``world`` spawned processes and wait for all of them. A
+    run that does not finish in ``timeout_s`` (a deadlock) is killed and fails the test instead of hanging it."""
+    ctx = mp.start_processes(worker, args=(world, _free_port(), *args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{what} did not finish in {timeout_s}s (deadlock?)")
+
+
+def _ddp_worker(rank: int, world: int, port: int, overrides: list[str], report_dir: str) -> None:
+    rank_env(rank, world, port)
     import hybridnorm.train.trainer as trainer
     from hybridnorm.train.config import TrainConfig, apply_overrides
 
@@ -80,12 +100,20 @@ def run_ddp(overrides: list[str], report_dir: Path, world: int = 2, timeout_s: f
     (``rank<r>.json`` in ``report_dir``). A run that does not finish in ``timeout_s`` (a deadlock) fails
     the test instead of hanging it. Callers clear RANK/WORLD_SIZE/... from their own environment."""
     report_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_ddp_worker, args=(world, _free_port(), overrides, str(report_dir)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"DDP run did not finish in {timeout_s}s (deadlock?)")
+    spawn_ranks(_ddp_worker, world, (overrides, str(report_dir)), timeout_s, "DDP run")
     return [json.loads((report_dir / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(world)]
+
+
+def poison_weight_at(monkeypatch, layer: int, train_forward: int) -> None:
+    """Set blocks.<layer>.attn.w_o to NaN right before that block's ``train_forward``-th training forward."""
+    original, calls = Block.forward, [0]
+
+    def forward(self, x, *args, **kwargs):
+        if self.layer == layer and self.training and torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] == train_forward:
+                with torch.no_grad():
+                    self.attn.w_o.weight.fill_(math.nan)
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Block, "forward", forward)

@@ -9,12 +9,11 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import read_metrics, tiny_overrides
+from train_helpers import poison_weight_at, read_metrics, tiny_overrides
 
 import hybridnorm.train.step as train_step
 import hybridnorm.train.trainer as trainer
 from hybridnorm import TransformerLM, cli
-from hybridnorm.nn.block import Block
 from hybridnorm.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from hybridnorm.train.config import TrainConfig
 
@@ -65,26 +64,11 @@ def test_cli_flag_turns_diagnostics_on(corpus, cache_dir, make_cfg, tmp_path):  
     assert TrainConfig.load(run / "config.yaml").diagnostics.every == 2
 
 
-def _poison_weight_at(monkeypatch, layer: int, train_forward: int) -> None:
-    """Set blocks.<layer>.attn.w_o to NaN right before that block's ``train_forward``-th training forward."""
-    original, calls = Block.forward, [0]
-
-    def forward(self, x, *args, **kwargs):
-        if self.layer == layer and self.training and torch.is_grad_enabled():
-            calls[0] += 1
-            if calls[0] == train_forward:
-                with torch.no_grad():
-                    self.attn.w_o.weight.fill_(math.nan)
-        return original(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(Block, "forward", forward)
-
-
 def test_nan_run_reports_step_and_module_and_keeps_checkpoint(make_cfg, tmp_path, monkeypatch):
     run = tmp_path / "run"
     common = ("--max_steps=8", "--ckpt_interval=2", "--diagnostics.every=2")
     with monkeypatch.context() as m:
-        _poison_weight_at(m, layer=1, train_forward=5)
+        poison_weight_at(m, layer=1, train_forward=5)
         result = trainer.train(make_cfg(run, *common))
     assert result.diverged and result.step == 4
 

@@ -162,6 +162,10 @@ def test_auto_precision_is_one_choice_for_the_whole_grid(make_cfg, tmp_path, mon
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
     base = make_cfg(tmp_path / "base", "--precision=auto", "--model.n_heads=4", "--model.n_kv_heads=2")
     grid = Grid(placements=["pre"], axes=[("model.d_model", list(widths))]).validate()
-    resolved = one_precision(base, grid, tmp_path / "grid")
-    assert resolved.precision == expected
-    assert one_precision(make_cfg(tmp_path / "b", "--precision=bf16"), grid, tmp_path / "grid").precision == "bf16"
+    points = grid.points()
+    resolved = one_precision([point_config(base, grid, p, tmp_path / "grid" / p.name) for p in points])
+    assert [c.precision for c in resolved] == [expected] * len(widths)
+    assert [c.model.d_model for c in resolved] == list(widths)
+    fixed = make_cfg(tmp_path / "b", "--precision=bf16", "--model.n_heads=4", "--model.n_kv_heads=2")
+    kept = one_precision([point_config(fixed, grid, p, tmp_path / "grid" / p.name) for p in points])
+    assert [c.precision for c in kept] == ["bf16"] * len(widths)

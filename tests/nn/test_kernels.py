@@ -2,7 +2,7 @@
 
 1. ``torch.autograd.gradcheck`` in float64 on every autograd Function, over its options: gains with and
    without grad and of both shapes, per-sequence RoPE tables, strided inputs, GQA, and every Q/K/V letter
-   set the fused attention path takes.
+   set the fused attention path takes. (The loss kernels have their own file, ``test_loss_kernels.py``.)
 2. A model built with ``fast_kernels=True`` against the same weights with ``fast_kernels=False`` (the plain
    math): logits (with and without autograd) and every parameter's gradient, for every placement preset,
    every Table-6 name, an MoE model and the attention-norm variants the fused path must decline.
@@ -30,7 +30,6 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.nn import kernels
 from hybridnorm.nn.attention import SDPA
 from hybridnorm.nn.ffn import SwiGLU
-from hybridnorm.nn.model import lm_loss
 from hybridnorm.nn.norms import RMSNorm
 from hybridnorm.nn.rope import apply_rope
 
@@ -90,41 +89,6 @@ def test_gradcheck_qkv_prep(letters, H, Hkv, gain_grad):
     assert gradcheck(f, (qkv, gain))
     q, k, v = f(qkv, gain)
     assert (q.shape, k.shape, v.shape) == ((B, T, H, D), (B, T, Hkv, D), (B, T, Hkv, D))
-
-
-def _targets(n: int, vocab: int, seed: int = 7) -> torch.Tensor:
-    t = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
-    t[1::4] = -100  # every fourth row ignored
-    return t
-
-
-def test_gradcheck_cross_entropy(monkeypatch):
-    t = _targets(10, 11)
-    assert gradcheck(lambda x: kernels.CrossEntropyFn.apply(x, t, -100), (_randn(10, 11),))
-    monkeypatch.setattr(kernels.loss, "CE_CHUNK_ELEMENTS", 33)  # rows spread over several chunks (3 rows each)
-    assert gradcheck(lambda x: kernels.CrossEntropyFn.apply(x, t, -100), (_randn(10, 11, seed=1),))
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_lm_loss_fast_matches_plain_and_leaves_logits_alone(dtype, monkeypatch):
-    monkeypatch.setattr(kernels.loss, "CE_CHUNK_ELEMENTS", 5 * 40)  # 5 rows per chunk: the chunk loop runs
-    logits = (_randn(3, 8, 40) * 3).to(dtype)
-    targets = _targets(24, 40).view(3, 8)
-    before = logits.detach().clone()
-    (fast, plain) = (lambda x: lm_loss(x, targets)), (lambda x: lm_loss(x, targets, fast=False))
-    out_f, (g_f,) = _fwd_bwd(fast, logits)
-    out_p, (g_p,) = _fwd_bwd(plain, logits)
-    wide = torch.promote_types(dtype, torch.float32)
-    assert out_f.dtype == out_p.dtype == wide and g_f.dtype == g_p.dtype == dtype
-    tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
-    _assert_rel_close(out_f, out_p, tol, "loss")
-    _assert_rel_close(g_f, g_p, tol, "grad")
-    assert torch.equal(logits, before)
-    assert g_f.view(24, 40)[1::4].abs().max() == 0  # ignored rows get no gradient
-    with torch.no_grad():
-        _assert_rel_close(lm_loss(logits, targets), out_p, tol, "no-grad loss")
-    none = torch.full_like(targets, -100)  # nothing to score: NaN, as the plain twin gives
-    assert lm_loss(logits, none).isnan() and lm_loss(logits, none, fast=False).isnan()
 
 
 def test_fused_qkv_range_declines_q_and_v_without_k():

@@ -1,4 +1,6 @@
-"""The LM head fused with the loss (``kernels.linear_cross_entropy``) against its plain twin,
+"""The loss kernels against their plain twins: the chunked cross-entropy of given logits
+(``kernels.CrossEntropyFn``, behind ``lm_loss``) against ``F.cross_entropy`` (``lm_loss(..., fast=False)``),
+and the LM head fused with the loss (``kernels.linear_cross_entropy``) against its plain twin,
 ``lm_loss(F.linear(hidden, weight), targets, fast=False)``, and ``TransformerLM.forward(..., targets=...)``
 against ``lm_loss`` of the same model's logits.
 
@@ -49,6 +51,43 @@ def _loss_and_grads(fn, hidden: torch.Tensor, weight: torch.Tensor, scale: float
 def _plain(targets: torch.Tensor):
     return lambda h, w: lm_loss(F.linear(h, w)[None], targets[None], fast=False)
 
+
+# -- the cross-entropy of given logits (``kernels.CrossEntropyFn``, what ``lm_loss`` runs) -----------------
+
+def test_gradcheck_cross_entropy(monkeypatch):
+    t = _targets(10, 11)
+    assert gradcheck(lambda x: kernels.CrossEntropyFn.apply(x, t, -100), (_randn(10, 11).requires_grad_(),))
+    monkeypatch.setattr(kernels.loss, "CE_CHUNK_ELEMENTS", 33)  # rows spread over several chunks (3 rows each)
+    assert gradcheck(lambda x: kernels.CrossEntropyFn.apply(x, t, -100), (_randn(10, 11, seed=1).requires_grad_(),))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_lm_loss_fast_matches_plain_and_leaves_logits_alone(dtype, monkeypatch):
+    monkeypatch.setattr(kernels.loss, "CE_CHUNK_ELEMENTS", 5 * 40)  # 5 rows per chunk: the chunk loop runs
+    logits = _randn(3, 8, 40, scale=3.0).to(dtype)
+    targets = _targets(24, 40).view(3, 8)
+    before = logits.detach().clone()
+
+    def loss_and_grad(fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x = logits.detach().clone().requires_grad_(True)
+        loss = lm_loss(x, targets, fast=fast)
+        (loss * 0.7).backward()  # an upstream gradient other than 1
+        return loss.detach(), x.grad
+
+    (out_f, g_f), (out_p, g_p) = loss_and_grad(True), loss_and_grad(False)
+    wide = torch.promote_types(dtype, torch.float32)
+    assert out_f.dtype == out_p.dtype == wide and g_f.dtype == g_p.dtype == dtype
+    tol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert _rel_err(out_f, out_p) <= tol and _rel_err(g_f, g_p) <= tol, (_rel_err(out_f, out_p), _rel_err(g_f, g_p))
+    assert torch.equal(logits, before)
+    assert g_f.view(24, 40)[1::4].abs().max() == 0  # ignored rows get no gradient
+    with torch.no_grad():
+        assert _rel_err(lm_loss(logits, targets), out_p) <= tol
+    none = torch.full_like(targets, -100)  # nothing to score: NaN, as the plain twin gives
+    assert lm_loss(logits, none).isnan() and lm_loss(logits, none, fast=False).isnan()
+
+
+# -- the LM head fused with the loss ----------------------------------------------------------------------
 
 def test_gradcheck_linear_cross_entropy(monkeypatch):
     t = _targets(10, 11)

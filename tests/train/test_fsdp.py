@@ -19,16 +19,13 @@ import json
 import os
 import pickle
 import shutil
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from checkpoint_helpers import flip_byte, rewrite
 from safetensors.torch import load_file, save
-from train_helpers import read_metrics, tiny_overrides
+from train_helpers import rank_env, read_metrics, spawn_ranks, tiny_overrides
 
 from hybridnorm.train.checkpoint import (
     CheckpointError,
@@ -62,8 +59,7 @@ def _jobs(corpus: Path, cache: Path, root: Path) -> dict[str, tuple[list[str], b
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, report_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank_env(rank, world, port)
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
     import hybridnorm.train.trainer as trainer
@@ -91,17 +87,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, report_dir: str) -> No
 def _spawn(jobs: list, report_dir: Path, timeout_s: float = 600) -> list[list[dict]]:
     """Run ``jobs`` in 2 gloo processes; each job's per-rank results. A deadlock fails instead of hanging."""
     report_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_worker, args=(2, port, jobs, str(report_dir)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"FSDP runs did not finish in {timeout_s}s (deadlock?)")
+    spawn_ranks(_worker, 2, (jobs, str(report_dir)), timeout_s, "FSDP runs")
     return [[json.loads((report_dir / f"job{i}.rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
             for i in range(len(jobs))]
 

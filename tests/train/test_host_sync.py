@@ -14,12 +14,11 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import read_metrics
+from train_helpers import poison_weight_at, read_metrics
 
 import hybridnorm.train.step as train_step
 import hybridnorm.train.trainer as trainer
 from hybridnorm.errors import ConfigError
-from hybridnorm.nn.block import Block
 from hybridnorm.train.host_sync import PendingSteps, deferred
 from hybridnorm.train.optim import build_optimizer
 
@@ -75,21 +74,6 @@ def test_deferred_run_logs_and_saves_what_the_plain_run_does(make_cfg, tmp_path,
     _same_checkpoints(tmp_path / "step", tmp_path / "log")
 
 
-def _poison_at(monkeypatch, step: int) -> None:
-    """blocks.1.attn.w_o set to NaN before the training forward of ``step`` (grad_accum 1)."""
-    original, calls = Block.forward, [0]
-
-    def forward(self, x, *args, **kwargs):
-        if self.layer == 1 and self.training and torch.is_grad_enabled():
-            calls[0] += 1
-            if calls[0] == step:
-                with torch.no_grad():
-                    self.attn.w_o.weight.fill_(math.nan)
-        return original(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(Block, "forward", forward)
-
-
 @pytest.mark.parametrize("every", [0, 4, 7], ids=["found_at_log_step", "found_at_later_collection_step",
                                                   "found_at_its_own_collection_step"])
 def test_deferred_divergence_stops_with_the_plain_runs_report(make_cfg, tmp_path, monkeypatch, fused, every):
@@ -101,7 +85,7 @@ def test_deferred_divergence_stops_with_the_plain_runs_report(make_cfg, tmp_path
     results, reports = {}, {}
     for mode in ("step", "log"):
         with monkeypatch.context() as m:
-            _poison_at(m, 7)
+            poison_weight_at(m, layer=1, train_forward=7)  # step 7 (grad_accum 1)
             results[mode] = trainer.train(make_cfg(tmp_path / mode, *common, f"--host_sync={mode}"))
         reports[mode] = json.loads((tmp_path / mode / "divergence.json").read_text(encoding="utf-8"))
     assert results["log"].diverged and results["log"].step == results["step"].step == 6

@@ -9,10 +9,12 @@ about the test."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 from checkpoint_helpers import start_trainer, train_records, wait_for
@@ -73,34 +75,41 @@ def _signal_while_held(proc, sig, tmp_path, point: str, log) -> None:
     (tmp_path / f"held.{point}.go").write_text("", encoding="utf-8")
 
 
-def _exit_code(proc) -> int:
+@contextlib.contextmanager
+def _reaped(proc) -> Iterator[None]:
+    """Kill the trainer if the block leaves it running (a failed wait), so that no test leaks a process."""
     try:
-        return proc.wait(timeout=120)
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _stopped_output(proc, log) -> str:
+    """Wait for the trainer to exit; it must exit 130 with no traceback. Returns its output."""
+    try:
+        rc = proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
         pytest.fail("the trainer did not exit after the signals")
+    output = log.read_text(errors="replace")
+    assert rc == 130, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    return output
 
 
 @pytest.mark.parametrize("where", ["save", "exit"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_second_signal_during_the_stop_save_or_exit(corpus, cache_dir, tmp_path, sig, where):
     proc, run, log = _start(tmp_path, corpus, cache_dir, where)
-    try:
+    with _reaped(proc):
         wait_for(proc, lambda: train_records(run) >= 2, log)
         proc.send_signal(sig)  # the first signal: finish the step, save, exit 130
         if where == "save":  # held inside the save: half a checkpoint is on disk
             wait_for(proc, (tmp_path / "held.save").exists, log)
             assert list(run.glob("checkpoints/.tmp_step_*")) and not list_checkpoints(run / "checkpoints")
         _signal_while_held(proc, sig, tmp_path, where, log)  # the second signal
-        rc = _exit_code(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = log.read_text(errors="replace")
-    assert rc == 130, output[-3000:]
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+        output = _stopped_output(proc, log)
     assert "already stopping" in output  # the second signal was seen, and ignored
     last = read_metrics(run)[-1]["step"]
     ckpts = list_checkpoints(run / "checkpoints")
@@ -116,15 +125,9 @@ def test_signals_before_the_loop_stop_at_once_and_a_second_one_changes_nothing(c
     """The first signal lands in data preparation (nothing trained, nothing to save), the second while the
     run folder's lock is being given back: exit 130, no traceback, no checkpoint, the lock released."""
     proc, run, log = _start(tmp_path, corpus, cache_dir, "prepare,release")
-    try:
+    with _reaped(proc):
         _signal_while_held(proc, sig, tmp_path, "prepare", log)
         _signal_while_held(proc, sig, tmp_path, "release", log)
-        rc = _exit_code(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = log.read_text(errors="replace")
-    assert rc == 130, output[-3000:]
-    assert "Traceback" not in output and "already stopping" in output
+        output = _stopped_output(proc, log)
+    assert "already stopping" in output
     assert list_checkpoints(run / "checkpoints") == [] and not (run / "train.lock").exists()

@@ -124,19 +124,18 @@ def point_config(base: TrainConfig, grid: Grid, point: GridPoint, run_dir: Path)
     return with_diagnostics(cfg, grid.diag_every).validate()
 
 
-def one_precision(base: TrainConfig, grid: Grid, out: Path) -> TrainConfig:
-    """``base`` with ``precision="auto"`` resolved ONCE for every point of ``grid``: what ``auto`` picks for
+def one_precision(configs: list[TrainConfig]) -> list[TrainConfig]:
+    """The points' configs with ``precision="auto"`` resolved ONCE for all of them: what ``auto`` picks for
     each point's model on this device if that is the same for all of them, else fp32. Per point, a width or
-    depth axis could otherwise train some runs in bf16 and others in fp32, a difference no report would name."""
-    if base.precision != "auto":
-        return base
-    picks = set()
-    for p in grid.points():
-        cfg = point_config(base, grid, p, out / "runs" / p.name)
-        picks.add(choose_precision("auto", resolve_device(cfg.device), cfg.model.d_model)[0])
+    depth axis could otherwise train some runs in bf16 and others in fp32, a difference no report would name.
+    A point whose precision is set (not ``auto``) keeps it."""
+    auto = [c for c in configs if c.precision == "auto"]
+    if not auto:
+        return configs
+    picks = {choose_precision("auto", resolve_device(c.device), c.model.d_model)[0] for c in auto}
     chosen = picks.pop() if len(picks) == 1 else "fp32"
     print(f"[grid] precision auto -> {chosen} for every run", file=sys.stderr, flush=True)
-    return dataclasses.replace(base, precision=chosen)
+    return [dataclasses.replace(c, precision=chosen) if c.precision == "auto" else c for c in configs]
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -280,8 +279,8 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
 
     if not train:
         return records()
-    base = one_precision(base, grid, out)
-    todo = [dirs[p] for p in points if prepare_point(point_config(base, grid, p, dirs[p]), p, dirs[p])]
+    configs = one_precision([point_config(base, grid, p, dirs[p]) for p in points])
+    todo = [dirs[p] for p, cfg in zip(points, configs, strict=True) if prepare_point(cfg, p, dirs[p])]
     print(f"[grid] {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train "
           f"({jobs} at a time) -> {out}", file=sys.stderr, flush=True)
 

@@ -111,16 +111,20 @@ class TransformerLM(nn.Module):
         out = self._head(x) if targets is None else self._loss(x, targets)  # (B, T, V) logits, or the loss
         return (out, self.aux_losses()) if return_aux else out
 
+    def _head_weight(self) -> Tensor:
+        """The LM head's (V, d) weight: the untied head's, or the embedding's when tied."""
+        return self.lm_head.weight if self.lm_head is not None else self.embed.weight
+
     def _head(self, x: Tensor) -> Tensor:
-        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed.weight)  # (B, T, V)
+        # an untied head is called as a module, so that its hooks fire
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self._head_weight())  # (B, T, V)
 
     def _loss(self, x: Tensor, targets: Tensor) -> Tensor:
         """lm_loss(head(x), targets); x (B, T, d) after the final norm. The fused kernel reads the head's
         weight directly, so an untied head with hooks goes through the module (its hooks fire)."""
         fast = self.config.fast_kernels
         if kernels.active(fast) and x.device.type == "cpu" and (self.lm_head is None or not has_hooks(self.lm_head)):
-            weight = self.lm_head.weight if self.lm_head is not None else self.embed.weight  # (V, d)
-            return kernels.linear_cross_entropy(x.flatten(0, 1), weight, targets.flatten())
+            return kernels.linear_cross_entropy(x.flatten(0, 1), self._head_weight(), targets.flatten())
         return lm_loss(self._head(x), targets, fast=fast)
 
     def aux_losses(self) -> dict[str, Tensor]:
