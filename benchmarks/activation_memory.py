@@ -26,7 +26,7 @@ import argparse
 import statistics
 
 import torch
-from compile_step import shifted_loss
+from compile_step import model_parser, shifted_loss
 from train_step import autocast_ctx, make_step, retain_malloc, time_alternating
 
 import hybridnorm as hn
@@ -36,12 +36,7 @@ MIB = 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--size", default="small", help="ModelConfig preset")
-    p.add_argument("--placement", default="hybridnorm_star")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=256)
+    p = model_parser(__doc__)
     p.add_argument("--dtypes", default="bf16,fp32", help="comma list of fp32, bf16 (bf16 = autocast)")
     p.add_argument("--reps", type=int, default=5, help="timed steps per model")
     p.add_argument("--threads", type=int, default=2)

@@ -26,13 +26,19 @@ import hybridnorm as hn
 from hybridnorm.nn.regional import compile_blocks
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of the step benchmarks that pick the model and the batch (``doc``: the module docstring)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--size", default="small", help="ModelConfig preset")
     p.add_argument("--placement", default="hybridnorm_star")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=256)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = model_parser(__doc__)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="bf16 = autocast")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--reps", type=int, default=10, help="timed steps per model (after warmup)")
