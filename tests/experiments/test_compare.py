@@ -83,14 +83,16 @@ def test_compare_cli_rejects_unknown_placement_before_training(tmp_path, capsys)
     assert not (tmp_path / "c" / "runs").exists()
 
 
-def _fake_run(root, placement, lr, seed, val, n_layers=2):
-    """A finished grid run folder written by hand: the verdict follows from val vs the baseline 6.0."""
+def _fake_run(root, placement, lr, seed, val, n_layers=2, extra: dict | None = None, code: dict | None = None):
+    """A finished grid run folder written by hand: the verdict follows from val vs the baseline 6.0.
+    ``extra``: more top-level config fields; ``code``: the meta record's code versions."""
     run = root / "runs" / f"{placement}-lr{lr}-s{seed}"
     run.mkdir(parents=True)
     (run / "point.json").write_text(json.dumps({
         "point": {"placement": placement, "init": "megatron", "knobs": {"optim.lr": lr}, "seed": seed},
-        "config": {"max_steps": 10, "model": {"n_layers": n_layers}, "optim": {"lr": lr}}}))
-    recs = [{"kind": "meta", "step": 0, "init": "megatron", "unigram_entropy": 6.0},
+        "config": {"max_steps": 10, "model": {"n_layers": n_layers}, "optim": {"lr": lr}, **(extra or {})}}))
+    meta = {"kind": "meta", "step": 0, "init": "megatron", "unigram_entropy": 6.0}
+    recs = [{**meta, "code": code} if code else meta,
             {"kind": "train", "step": 10, "loss": val, "tokens": 100},
             {"kind": "eval", "step": 10, "val_loss": val, "val_tokens": 100}]
     (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
@@ -109,3 +111,25 @@ def test_largest_value_counts_only_values_where_every_seed_trained(tmp_path):
     assert "| 0.001 |" in row and "0.01: 1 trained, 1 stalled" in row
     series = json.loads((tmp_path / "sweep_optim.lr.json").read_text())
     assert series["pre"]["y"] == [pytest.approx(5.05), pytest.approx(4.9), None]  # mean of trained seeds only
+
+
+def test_report_tells_fields_some_runs_lack_from_real_differences_and_names_the_code(tmp_path):
+    """A field only newer runs record (added to the trainer since the older runs were made) is not a
+    difference between the runs; a field both record with different values is; and the report counts the
+    code versions that made the runs, 'not recorded' for runs made before versions were logged."""
+    from hybridnorm.experiments.report import write_report
+
+    new = {"hybridnorm": "0.1.0", "torch": "2.13.0", "git_commit": "0123456789abcdef" * 2 + "01234567",
+           "git_dirty": False}
+    runs = [_fake_run(tmp_path, "pre", 1e-3, 0, 5.0),  # an old run: no host_sync, no fast_kernels, no code
+            _fake_run(tmp_path, "pre", 1e-3, 1, 5.1, extra={"host_sync": "auto", "grad_accum": 1}, code=new),
+            _fake_run(tmp_path, "pre", 1e-3, 2, 5.2, extra={"host_sync": "step", "grad_accum": 1}, code=new),
+            _fake_run(tmp_path, "hybridnorm", 1e-3, 0, 5.0, n_layers=4)]
+    text = write_report(runs, tmp_path, baseline="pre").read_text()
+    data = json.loads((tmp_path / "runs.json").read_text())
+    assert data["varying"] == ["model.n_layers"]  # host_sync differs only between runs that both record it...
+    assert data["partly_recorded"] == ["grad_accum", "host_sync"]  # ...and is named as partly recorded instead
+    assert "**What differs between runs:** `model.n_layers`." in text
+    assert "Recorded in only some runs' configs" in text and "`grad_accum`, `host_sync`" in text
+    assert "Code that made the runs: not recorded (2 runs); hybridnorm 0.1.0 @ 01234567, torch 2.13.0 (2 runs)." in text
+    assert [r["code"] for r in data["runs"]] == [None, new, new, None]

@@ -138,11 +138,12 @@ def one_precision(configs: list[TrainConfig]) -> list[TrainConfig]:
     return [dataclasses.replace(c, precision=chosen) if c.precision == "auto" else c for c in configs]
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as {dotted field: value} (the placement, a dict itself, stays one value)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict) and k != "placement":
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_config(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -151,7 +152,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_differences(a: dict[str, Any], b: dict[str, Any], common_only: bool = False) -> list[str]:
     """Dotted config fields whose values differ between two config dicts (the names only). ``common_only``
     ignores fields only one of them has (a field added to the config since the run was made)."""
-    fa, fb = _flatten(a), _flatten(b)
+    fa, fb = flatten_config(a), flatten_config(b)
     keys = fa.keys() & fb.keys() if common_only else fa.keys() | fb.keys()
     return sorted(k for k in keys if fa.get(k) != fb.get(k))
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from hybridnorm import placements as registry
 from hybridnorm.experiments import plots, verdict
-from hybridnorm.experiments.grid import config_differences
+from hybridnorm.experiments.grid import flatten_config
 from hybridnorm.experiments.runs import RunRecord
 from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
+from hybridnorm.train.provenance import describe as describe_code
 
 # Config fields that name the run rather than change it.
 BOOKKEEPING = {"out_dir", "seed", "model.placement", "data.cache_dir"}
@@ -34,18 +35,35 @@ def group_label(r: RunRecord, show_init: bool) -> str:
     return " ".join(parts)
 
 
+def _flat_configs(runs: Sequence[RunRecord]) -> list[dict[str, str]]:
+    """Each run's config as {dotted field: its value as JSON} (runs without a config left out)."""
+    return [{k: json.dumps(v, sort_keys=True) for k, v in flatten_config(r.config).items()} for r in runs if r.config]
+
+
 def varying_fields(runs: Sequence[RunRecord]) -> list[str]:
-    """Config fields with more than one value across the runs (bookkeeping fields left out), plus ``init``
-    when the resolved init schemes differ."""
-    configs = [r.config for r in runs if r.config]
-    fields: set[str] = set()
-    for c in configs[1:]:
-        fields.update(config_differences(configs[0], c))
-    fields -= BOOKKEEPING
-    fields.discard("model.init")
+    """Config fields that every run's config records and that have more than one value across the runs
+    (bookkeeping fields left out), plus ``init`` when the resolved init schemes differ."""
+    flats = _flat_configs(runs)
+    common = set.intersection(*(set(f) for f in flats)) if flats else set()
+    fields = {k for k in common if len({f[k] for f in flats}) > 1} - BOOKKEEPING - {"model.init"}
     if len({r.resolved_init for r in runs}) > 1:
         fields.add("init")
     return sorted(fields)
+
+
+def partly_recorded_fields(runs: Sequence[RunRecord]) -> list[str]:
+    """Config fields that some runs' configs record and others do not: fields added to the config after
+    those others' configs were written (they ran with the default of the code that trained them)."""
+    keys = [set(f) for f in _flat_configs(runs)]
+    return sorted(set.union(*keys) - set.intersection(*keys) - BOOKKEEPING) if keys else []
+
+
+def code_versions_line(runs: Sequence[RunRecord]) -> str:
+    """Which code made the runs (the trainer's ``meta`` record), each version with its number of runs."""
+    counts: dict[str, int] = defaultdict(int)
+    for r in runs:
+        counts[describe_code(r.meta.get("code"))] += 1
+    return "; ".join(f"{v} ({n} run{'s' * (n != 1)})" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = None, command: str | None = None,
@@ -59,7 +77,8 @@ def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = No
     records = [r.to_record(out) for r in runs]
     groups = _group_stats(done, baseline)
     (out / "runs.json").write_text(json.dumps({"command": command, "baseline": baseline,
-                                               "varying": varying_fields(done), "runs": records,
+                                               "varying": varying_fields(done),
+                                               "partly_recorded": partly_recorded_fields(done), "runs": records,
                                                "groups": groups}, indent=1), encoding="utf-8")
     if done:
         plots.loss_curves(done, out / "loss_curves.png")
@@ -143,6 +162,13 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
         lines += ["**What differs between runs:** " + (", ".join(f"`{f}`" for f in varying) or "nothing but the seed")
                   + ". Each Δ below pairs a placement with the baseline "
                   + f"`{baseline}` at the same init axis value, knob values and seed.", ""]
+        partly = partly_recorded_fields(done)
+        if partly:
+            lines += ["Recorded in only some runs' configs (fields added to the config after the other runs' "
+                      "configs were written; those runs ran with the default of the code that trained them, see "
+                      "the code line): "
+                      + ", ".join(f"`{f}`" for f in partly) + ".", ""]
+        lines += [f"Code that made the runs: {code_versions_line(done)}.", ""]
         if "init" in varying and any(r.init == "paper" for r in done):
             lines += ["**Init is confounded with placement** where the init axis is `paper`: each placement "
                       "uses its paper default (listed per row). Compare rows with one init for all to separate "

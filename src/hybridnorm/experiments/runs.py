@@ -115,7 +115,7 @@ class RunRecord:
             "max_steps": cfg.get("max_steps"), "lr": optim.get("lr"), "warmup_steps": optim.get("warmup_steps"),
             "grad_clip": optim.get("grad_clip"), "n_layers": self.n_layers, "d_model": model.get("d_model"),
             "params": self.meta.get("params"), "precision": cfg.get("precision"),
-            "diverged_at": self.diverged_at,
+            "diverged_at": self.diverged_at, "code": self.meta.get("code"),  # None: made before it was logged
             **{k: _num(x) for k, x in collapse_signals(self.diag[-1] if self.diag else None, self.n_layers).items()},
         }
 

@@ -58,6 +58,7 @@ from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, s
 from hybridnorm.train.parallel import data_parallel, shard_model
 from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
+from hybridnorm.train.provenance import code_versions
 from hybridnorm.train.retention import ResumePoint, checkpoint_for_resume
 from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
 from hybridnorm.train.stop import StopFlag
@@ -95,7 +96,8 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
     log.log(step, {"placement": cfg.model.resolved_placement().name, "init": cfg.model.resolved_init(),
                    "precision": cfg.precision,
                    "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
-                   "train_tokens_available": train_n, "val_tokens_available": val_n}, "meta")
+                   "train_tokens_available": train_n, "val_tokens_available": val_n,
+                   "code": code_versions()}, "meta")
 
 
 def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.device, d: Dist) -> torch.nn.Module:
