@@ -5,6 +5,7 @@ import torch
 
 import hybridnorm as hn
 from hybridnorm import ConfigError, ModelConfig
+from hybridnorm.train.config import TrainConfig
 
 # SCHEMES.md / paper Table 9 (embedding padded to 100352), in millions.
 PAPER_PARAMS = {"151m": 151.4, "285m": 285.2, "550m": 550.5, "543m-deep": 543.7, "1.2b": 1277.0}
@@ -84,6 +85,34 @@ def test_bad_config_file_names_the_file(tmp_path):
 def test_yaml_config_text_cannot_run_code():
     with pytest.raises(ConfigError):
         ModelConfig.from_yaml("!!python/object/apply:os.system ['echo pwned']")
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "json"])
+def test_a_key_given_twice_is_refused_not_silently_overwritten(fmt, tmp_path):
+    """YAML and JSON parsers keep the last of two equal keys; a config must not train with one of two
+    values the user wrote without saying so. A merge (``<<: *base``) may still override its keys."""
+    text = {"yaml": "n_layers: 2\nd_model: 64\nd_model: 128\n",
+            "json": '{"n_layers": 2, "d_model": 64, "d_model": 128}'}[fmt]
+    path = tmp_path / f"twice.{fmt}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"twice\.{fmt}: config is not valid {fmt}: .*duplicate key 'd_model'"):
+        ModelConfig.load(path)
+    nested = tmp_path / "nested.yaml"  # a duplicate inside a section, as in the train config
+    nested.write_text("model:\n  d_model: 64\n  n_layers: 2\n  d_model: 64\n")
+    with pytest.raises(ConfigError, match=r"nested\.yaml: .*duplicate key 'd_model'.*line 4"):
+        TrainConfig.load(nested)
+    merged = ModelConfig.from_yaml("<<: {d_model: 64, n_layers: 2}\nd_model: 128\n")
+    assert (merged.d_model, merged.n_layers) == (128, 2)
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "json"])
+def test_config_nested_too_deeply_is_one_clear_error(fmt, tmp_path):
+    path = tmp_path / f"deep.{fmt}"
+    path.write_text('{"d_model": ' + "[" * 50_000 + "]" * 50_000 + "}")  # deeper than the parser's recursion
+    with pytest.raises(ConfigError, match=rf"deep\.{fmt}: config is not valid {fmt}: nested too deeply"):
+        ModelConfig.load(path)
+    with pytest.raises(ConfigError, match=r"model\.d_model="):  # on the command line: one error naming the field
+        TrainConfig.from_cli(None, ["--model.d_model=" + "[" * 50_000])
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import sys
 import typing
 import warnings
 
+from hybridnorm.config_base import parse_text
 from hybridnorm.errors import ConfigError
 
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
@@ -73,12 +74,10 @@ def _csv(text: str, what: str) -> list[str]:
 
 def _grid_values(text: str, what: str) -> list[object]:
     """Comma-separated values read with YAML's safe loader (numbers stay numbers; 1e-3 is a float)."""
-    import yaml
-
     def value(item: str) -> object:
         try:
-            v = yaml.safe_load(item)
-        except yaml.YAMLError:
+            v = parse_text(item, "yaml")
+        except ConfigError:
             return item
         try:
             return float(v) if isinstance(v, str) else v  # YAML 1.1 reads 1e-3 as a string

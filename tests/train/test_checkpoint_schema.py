@@ -14,20 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import model_and_optimizer, rewrite, snapshot, tiny_model, write_checkpoint
-from hypothesis import HealthCheck, given, settings
+from fuzz_helpers import SETTINGS, json_values
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save
 
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.checkpoint import check_checkpoint, load_checkpoint, load_weights
 from hybridnorm.train.optim import OptimConfig, build_optimizer
-
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=8)
 
 
 @pytest.fixture(scope="module")

@@ -63,3 +63,18 @@ def test_stop_after_steps_validation(make_cfg, tmp_path):
 
     with pytest.raises(ConfigError, match="stop_after_steps"):
         make_cfg(tmp_path, "--stop_after_steps=-1")
+
+
+def test_purge_on_resume_drops_later_records_and_torn_lines_but_keeps_what_it_cannot_judge(tmp_path):
+    """The log of a run resumed at step 3: records past 3 and a torn line go; a line that is JSON but no
+    record with an integer step (not the trainer's own writing) stays for the readers to name, and the
+    purge does not fail on it."""
+    from hybridnorm.train.logger import _purge_after
+
+    log = tmp_path / "metrics.jsonl"
+    lines = ['{"kind": "train", "step": 2, "loss": 1.0}', '{"kind": "train", "step": 4, "loss": 1.0}',
+             '{"kind": "train", "step": "x"}', "[1, 2]", '{"kind": "train", "step": true}',
+             '{"kind": "meta", "time": 0.1}', '{"kind": "tra']
+    log.write_text("\n".join(lines))  # the last line torn, no final newline
+    _purge_after(log, 3)
+    assert log.read_text().splitlines() == [lines[0], lines[2], lines[3], lines[4], lines[5]]

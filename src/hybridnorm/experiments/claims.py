@@ -22,7 +22,6 @@ it). The rules, decided before the data and applied mechanically:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import defaultdict
@@ -30,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridnorm.config_base import read_file
+from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.stats import PairedDiff, mean_std, paired_difference
 
 STUDY_A, STUDY_B = "A_lr_init_24_layers", "B_depth"
@@ -54,12 +55,20 @@ class Cell:
         return bool(self.verdicts) and all(v == "trained" for v in self.verdicts.values())
 
 
+def _report_runs(path: Path) -> list[dict[str, Any]]:
+    """The run records of a study's ``runs.json``; ConfigError naming the file if it is not a report's."""
+    runs = read_file(path, "report file").get("runs")
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and isinstance(r.get("knobs"), dict) for r in runs):
+        raise ConfigError(f"report file {path}: expected 'runs': a list of run records with their 'knobs'")
+    return runs
+
+
 def planned_values(study: Path, knob: str) -> set[float]:
     """Every value of ``knob`` in the study's grid, finished or not."""
     path = study / "runs.json"
     if not path.is_file():
         return set()
-    return {float(r["knobs"][knob]) for r in json.loads(path.read_text(encoding="utf-8"))["runs"] if knob in r["knobs"]}
+    return {float(r["knobs"][knob]) for r in _report_runs(path) if knob in r["knobs"]}
 
 
 def load_cells(study: Path, knob: str) -> list[Cell]:
@@ -67,7 +76,7 @@ def load_cells(study: Path, knob: str) -> list[Cell]:
     path = study / "runs.json"
     if not path.is_file():
         return []
-    runs = json.loads(path.read_text(encoding="utf-8"))["runs"]
+    runs = _report_runs(path)
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         if r.get("done") and knob in r["knobs"]:
@@ -247,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", type=Path, help="docs/results")
     ap.add_argument("--check", action="store_true", help="fail if the README's table is out of date")
     args = ap.parse_args(argv)
-    current = update_readme(args.results, check=args.check)
+    try:
+        current = update_readme(args.results, check=args.check)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.check and not current:
         print(f"{args.results / 'README.md'}: the claim table is out of date; run "
               f"python -m hybridnorm.experiments.claims {args.results}", file=sys.stderr)

@@ -34,7 +34,7 @@ from typing import Any
 
 from hybridnorm import placements as registry
 from hybridnorm.errors import ConfigError
-from hybridnorm.experiments.runs import RunRecord, read_run, slug
+from hybridnorm.experiments.runs import RunRecord, read_point, read_run_or_unreadable, slug
 from hybridnorm.placements.spec import INITS
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import resolve_device
@@ -162,11 +162,7 @@ def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> bool:
     want = {"point": point.to_dict(), "config": json.loads(json.dumps(cfg.to_dict()))}
     path = run_dir / "point.json"
     if path.is_file():
-        try:
-            have = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"grid point file {path} is not valid JSON ({e}); "
-                              "delete the run folder to redo it") from None
+        have = read_point(path)
         # out_dir is the folder itself: a grid moved, cloned or started from another directory is the same grid
         diff = [k for k in config_differences(have.get("config", {}), want["config"], common_only=True)
                 if k != "out_dir"]
@@ -189,8 +185,8 @@ def train_point(run_dir: Path) -> str:
     from hybridnorm.train.checkpoint import list_checkpoints
     from hybridnorm.train.trainer import train
 
-    spec = json.loads((run_dir / "point.json").read_text(encoding="utf-8"))
-    cfg = dataclasses.replace(TrainConfig.from_dict(spec["config"]), out_dir=str(run_dir))  # wherever it lies now
+    path = run_dir / "point.json"
+    cfg = dataclasses.replace(TrainConfig.from_dict(read_point(path)["config"]), out_dir=str(run_dir))  # wherever it is
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and not list_checkpoints(run_dir / "checkpoints"):
         # an unfinished run whose checkpoints are gone (e.g. a grid folder committed without them) restarts
@@ -276,7 +272,11 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
     dirs = {p: out / "runs" / p.name for p in points}
 
     def records() -> list[RunRecord]:  # a point not started yet still has its placement, init, knobs, seed
-        return [read_run(dirs[p], p.placement, p.seed, p.init, dict(p.knobs)) for p in points]
+        recs = [read_run_or_unreadable(dirs[p], p.placement, p.seed, p.init, dict(p.knobs)) for p in points]
+        for r in recs:
+            if r.problem:
+                print(f"[grid] {r.path.name} left out of the report: {r.problem}", file=sys.stderr, flush=True)
+        return recs
 
     if not train:
         return records()

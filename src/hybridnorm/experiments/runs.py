@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridnorm.config_base import read_file
+from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.verdict import Verdict, collapse_signals, judge
+from hybridnorm.train.config import TrainConfig
 
 
 @dataclass
@@ -37,6 +40,7 @@ class RunRecord:
     events: list[dict[str, Any]] = field(default_factory=list)  # spikes and other events
     divergence: dict[str, Any] | None = None
     label: str = ""                                             # the report's name for the run's group
+    problem: str | None = None                                  # why its files could not be read (see unreadable)
 
     @property
     def diverged(self) -> bool:
@@ -101,6 +105,7 @@ class RunRecord:
         # a run still training has no verdict yet (its loss so far would read as stalled): null, and why
         v = self.verdict if self.done else None
         verdict, reason = ((v.verdict, v.reason) if v else
+                           (None, f"unreadable: {self.problem}") if self.problem else
                            (None, f"unfinished: step {self.last_step} of {cfg.get('max_steps', '?')}"))
         last_eval = self.eval[-1] if self.eval else {}
         return {
@@ -125,15 +130,95 @@ def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+def read_point(path: Path) -> dict[str, Any]:
+    """A grid point file (``point.json``): {"point": {placement, init, knobs, seed}, "config": {...}}, its
+    config one that ``TrainConfig.from_dict`` accepts. ConfigError naming the file otherwise."""
+    data = read_file(path, "grid point file")
+    point, config = data.get("point"), data.get("config")
+    ok = (isinstance(point, dict) and isinstance(config, dict) and isinstance(point.get("placement"), str)
+          and isinstance(point.get("init"), str) and isinstance(point.get("knobs"), dict)
+          and isinstance(point.get("seed"), int) and not isinstance(point.get("seed"), bool))
+    if not ok:
+        raise ConfigError(f"grid point file {path}: expected {{'point': {{'placement': str, 'init': str, "
+                          "'knobs': {...}, 'seed': int}, 'config': {...}}; delete the run folder to redo it")
+    try:
+        TrainConfig.from_dict(config)  # the types and ranges the trainer checks, so no reader trips on them
+    except ConfigError as e:
+        raise ConfigError(f"grid point file {path}: {e}; delete the run folder to redo it") from None
+    return data
+
+
+def _metric_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``. A line that is not JSON is skipped (a line cut by a kill: the
+    trainer purges it on resume); a record of the wrong shape is refused naming the file and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read metrics file {path}: {e}") from None
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            r = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        problem = _record_problem(r)
+        if problem:
+            raise ConfigError(f"metrics file {path}, line {n}: {problem}")
+        records.append(r)
+    return records
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _record_problem(r: Any) -> str | None:
+    """Why ``r`` is not a record the trainer writes, or None: a JSON object with a string ``kind``, an
+    integer ``step``, and numbers only in the measured kinds (train, eval, diag)."""
+    if not isinstance(r, dict):
+        return f"a record must be a JSON object, got {type(r).__name__}"
+    if not isinstance(r.get("kind"), str):
+        return "a record needs a string 'kind'"
+    if "step" in r and not (isinstance(r["step"], int) and not isinstance(r["step"], bool)):
+        return f"'step' must be an integer, got {r['step']!r}"
+    if r["kind"] in ("train", "eval", "diag"):
+        missing = next((k for k in _REQUIRED.get(r["kind"], ()) if k not in r), None)
+        if missing is not None:
+            return f"a {r['kind']} record needs {missing!r}"
+        bad = next((k for k, v in r.items() if k != "kind" and not _is_number(v)), None)
+        if bad is not None:
+            return f"{r['kind']} record field {bad!r} must be a number, got {r[bad]!r}"
+    if r["kind"] == "meta":
+        bad = next((k for k, ok in _META_FIELDS.items() if k in r and not ok(r[k])), None)
+        if bad is not None:
+            return f"meta record field {bad!r} has the wrong type: {r[bad]!r}"
+    return None
+
+
+# the fields of the measured kinds that the readers index directly
+_REQUIRED = {"train": ("step", "loss"), "eval": ("step", "val_loss"), "diag": ("step",)}
+
+
+def _is_code(x: Any) -> bool:  # provenance.code_versions(): strings, and a bool or None for git_dirty
+    return x is None or (isinstance(x, dict) and all(v is None or isinstance(v, (str, bool)) for v in x.values()))
+
+
+# the meta record's fields that the readers use, and what each must be (the trainer's _log_header writes them)
+_META_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: isinstance(x, str),
+                "precision": lambda x: isinstance(x, str), "params": _is_number, "unigram_entropy": _is_number,
+                "train_tokens_available": _is_number, "val_tokens_available": _is_number, "code": _is_code}
+
+
 def read_run(path: str | Path, placement: str | None = None, seed: int | None = None, init: str | None = None,
              knobs: dict[str, Any] | None = None) -> RunRecord:
     """A run folder's record; placement, seed, init and knobs come from ``point.json`` when the grid wrote
-    one, else from the arguments (a grid point not started yet)."""
+    one, else from the arguments (a grid point not started yet). A file of the folder that cannot be read
+    or is not of the trainer's shape is refused with a ConfigError naming it."""
     path = Path(path)
     point: dict[str, Any] = {}
     point_file = path / "point.json"
     if point_file.is_file():
-        point = json.loads(point_file.read_text(encoding="utf-8"))
+        point = read_point(point_file)
     p = point.get("point", {})
     rec = RunRecord(path, p.get("placement", placement or "?"), int(p.get("seed", seed or 0)),
                     init=p.get("init", init or "paper"), knobs=dict(p.get("knobs", knobs or {})),
@@ -141,20 +226,25 @@ def read_run(path: str | Path, placement: str | None = None, seed: int | None = 
                     done=(path / "done.json").is_file())
     metrics = path / "metrics.jsonl"
     if metrics.is_file():
-        for line in metrics.read_text(encoding="utf-8").splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill: the trainer purges it on resume
-            kind = r.get("kind")
+        for r in _metric_records(metrics):
+            kind = r["kind"]
             if kind == "meta":
                 rec.meta = r
             else:
                 {"train": rec.train, "eval": rec.eval, "diag": rec.diag}.get(kind, rec.events).append(r)
     div = path / "divergence.json"
     if div.is_file():
-        rec.divergence = json.loads(div.read_text(encoding="utf-8"))
+        rec.divergence = read_file(div, "divergence report")
     return rec
+
+
+def read_run_or_unreadable(path: Path, placement: str, seed: int, init: str, knobs: dict[str, Any]) -> RunRecord:
+    """:func:`read_run`, or for a folder whose files are damaged a record that is neither done nor judged and
+    says why (``problem``), so that a report of the other runs of a grid is still written."""
+    try:
+        return read_run(path, placement, seed, init, knobs)
+    except ConfigError as e:
+        return RunRecord(Path(path), placement, seed, init=init, knobs=dict(knobs), problem=str(e))
 
 
 def slug(name: str) -> str:

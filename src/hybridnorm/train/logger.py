@@ -90,17 +90,21 @@ class MetricsLogger:
 
 
 def _purge_after(path: Path, step: int) -> None:
-    """Drop the records past ``step`` (and a torn line) that a run killed after its last checkpoint left."""
+    """Drop the records past ``step`` (and a torn line) that a run killed after its last checkpoint left.
+    A line that is JSON but not a record with an integer step is not the trainer's to judge: it stays, and
+    the readers of the log name it."""
     if not path.is_file():
         return
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     keep = []
     for line in lines:
         try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except (json.JSONDecodeError, AttributeError):
-            continue
+            rec = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue  # torn by a kill
+        rec_step = rec.get("step", 0) if isinstance(rec, dict) else None
+        if not isinstance(rec_step, int) or isinstance(rec_step, bool) or rec_step <= step:
+            keep.append(line)
     if len(keep) < len(lines) or not path.read_bytes().endswith(b"\n"):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
