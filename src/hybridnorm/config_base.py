@@ -355,3 +355,22 @@ def read_file(path: str | Path, what: str = "config file") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path}: expected a mapping of fields at the top, got {type(data).__name__}")
     return data
+
+
+def flatten_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as {dotted field: value} (the placement, a dict itself, stays one value)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "placement":
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(a: dict[str, Any], b: dict[str, Any], common_only: bool = False) -> list[str]:
+    """Dotted config fields whose values differ between two config dicts (the names only). ``common_only``
+    ignores fields only one of them has (a field added to the config since the run was made)."""
+    fa, fb = flatten_config(a), flatten_config(b)
+    keys = fa.keys() & fb.keys() if common_only else fa.keys() | fb.keys()
+    return sorted(k for k in keys if fa.get(k) != fb.get(k))

@@ -176,6 +176,11 @@ def test_a_replaced_weights_file_is_corrupt_but_a_changed_config_is_not(corpus, 
 
     before = snapshot(ckpts)
     rc = cli.main(_cli(corpus, cache_dir, run, "--max_steps=6", "--resume", "--model.n_layers=3"))
+    err = capsys.readouterr().err  # the run's config.yaml says it is another model: refused before loading
+    assert rc == 2 and "as a different model (model.n_layers: 2 -> 3" in err and "Traceback" not in err
+    assert snapshot(ckpts) == before
+    (run / "config.yaml").unlink()  # without it, the checkpoint loader is what finds the mismatch
+    rc = cli.main(_cli(corpus, cache_dir, run, "--max_steps=6", "--resume", "--model.n_layers=3"))
     err = capsys.readouterr().err
     assert rc == 2 and "does not fit this model" in err and "Traceback" not in err
     assert snapshot(ckpts) == before

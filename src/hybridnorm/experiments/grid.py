@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridnorm import placements as registry
+from hybridnorm.config_base import config_differences
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.runs import RunRecord, read_point, read_run_or_unreadable, slug
 from hybridnorm.placements.spec import INITS
@@ -136,25 +137,6 @@ def one_precision(configs: list[TrainConfig]) -> list[TrainConfig]:
     chosen = picks.pop() if len(picks) == 1 else "fp32"
     print(f"[grid] precision auto -> {chosen} for every run", file=sys.stderr, flush=True)
     return [dataclasses.replace(c, precision=chosen) if c.precision == "auto" else c for c in configs]
-
-
-def flatten_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as {dotted field: value} (the placement, a dict itself, stays one value)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "placement":
-            out.update(flatten_config(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def config_differences(a: dict[str, Any], b: dict[str, Any], common_only: bool = False) -> list[str]:
-    """Dotted config fields whose values differ between two config dicts (the names only). ``common_only``
-    ignores fields only one of them has (a field added to the config since the run was made)."""
-    fa, fb = flatten_config(a), flatten_config(b)
-    keys = fa.keys() & fb.keys() if common_only else fa.keys() | fb.keys()
-    return sorted(k for k in keys if fa.get(k) != fb.get(k))
 
 
 def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> bool:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridnorm import placements as registry
+from hybridnorm.config_base import flatten_config
 from hybridnorm.experiments import plots, verdict
-from hybridnorm.experiments.grid import flatten_config
 from hybridnorm.experiments.runs import RunRecord
 from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
 from hybridnorm.train.provenance import describe as describe_code

@@ -137,10 +137,11 @@ def read_point(path: Path) -> dict[str, Any]:
     point, config = data.get("point"), data.get("config")
     ok = (isinstance(point, dict) and isinstance(config, dict) and isinstance(point.get("placement"), str)
           and isinstance(point.get("init"), str) and isinstance(point.get("knobs"), dict)
+          and all(isinstance(v, (str, int, float, bool)) for v in point["knobs"].values())  # grid values
           and isinstance(point.get("seed"), int) and not isinstance(point.get("seed"), bool))
     if not ok:
         raise ConfigError(f"grid point file {path}: expected {{'point': {{'placement': str, 'init': str, "
-                          "'knobs': {...}, 'seed': int}, 'config': {...}}; delete the run folder to redo it")
+                          "'knobs': {field: value}, 'seed': int}, 'config': {...}}; delete the run folder to redo it")
     try:
         TrainConfig.from_dict(config)  # the types and ranges the trainer checks, so no reader trips on them
     except ConfigError as e:

@@ -59,6 +59,7 @@ from hybridnorm.train.parallel import data_parallel, shard_model
 from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.provenance import code_versions
+from hybridnorm.train.resume_guard import check_resume
 from hybridnorm.train.retention import ResumePoint, checkpoint_for_resume
 from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
 from hybridnorm.train.stop import StopFlag
@@ -143,6 +144,8 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
         cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
     precision, why = choose_precision(cfg.precision, device, cfg.model.d_model)
     cfg = replace(cfg, precision=precision)  # config.yaml records what was chosen, not "auto"
+    # a resume continues the run's model with its tokenizer (checked before config.yaml is rewritten)
+    changed = check_resume(run_dir, cfg, data.tokenizer) if ckpt is not None else []
     train_tokens, val_tokens = data.train_tokens(), data.val_tokens()
 
     torch.manual_seed(cfg.seed)
@@ -169,6 +172,8 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens))
     log.message(f"precision: {precision} ({why}); AdamW: {describe_optimizer(optimizer)}")
+    if changed:  # printed too: the settings a resume changed are worth a line on the console
+        log.log(state.step, {"event": "config_changed_on_resume", "fields": changed}, "event")
     for moved in found.set_aside:  # corrupt checkpoints skipped by --resume: moved, never deleted
         log.log(state.step, {"event": "corrupt_checkpoint_set_aside", "checkpoint": str(moved.checkpoint),
                              "moved_to": str(moved.moved_to), "reason": moved.reason}, "event")

@@ -1,0 +1,71 @@
+"""Resuming a run with the model and tokenizer it was trained with.
+
+``train --resume`` builds the model and the tokenizer from the command's config and then loads the newest
+checkpoint into the model. A checkpoint only fixes tensor shapes, so a command that differs from the run in
+something shape-free (a Pre-Norm run resumed as Post-Norm has the same parameters; a new ``data.source``
+trains a new BPE of the same size) would go on training a different model, or the same model on text cut
+into different tokens, and say nothing; then it would overwrite the run's ``config.yaml`` and
+``tokenizer.json`` with the new ones. This guard compares the command with what the run folder recorded
+before anything is written:
+
+* the tokenizer must be the same one (its fingerprint; checked first, as a new tokenizer usually brings a
+  new vocab size too), and a damaged ``tokenizer.json`` in the run folder is one error naming it;
+* the model's architecture must be the same: every ``model`` field but the ones that do not change the
+  function a checkpoint computes (:data:`FREE_MODEL_FIELDS`); otherwise one error listing each field with
+  its recorded and requested value;
+* every other field may change (more steps, a new learning rate; new data with the run's tokenizer for a
+  model imported with ``hybridnorm import``, whose checkpoint holds no data position — a trained run's
+  data position is checked against its data by the checkpoint loader): :func:`check_resume` returns those
+  fields for the run's log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hybridnorm.config_base import flatten_config
+from hybridnorm.data.tokenizer import Tokenizer, load_tokenizer
+from hybridnorm.errors import ConfigError
+from hybridnorm.train.config import TrainConfig
+
+# model fields a resumed run may change: how the math is run, how fresh weights would be drawn (a resumed
+# run draws none), and the longest sequence RoPE tables are built for (no parameter depends on it)
+FREE_MODEL_FIELDS = frozenset({"model.fast_kernels", "model.init", "model.init_std", "model.max_seq_len"})
+# fields that say where things are kept and when to log, save or pause, not what is trained: not reported
+RUN_CONTROL_FIELDS = frozenset({"out_dir", "data.cache_dir", "max_minutes", "stop_after_steps", "log_interval",
+                                "eval_interval", "ckpt_interval", "keep_last"})
+
+
+def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer) -> list[str]:
+    """Check that ``cfg`` (vocab and precision resolved) and ``tokenizer`` continue the run in ``run_dir``,
+    whose checkpoint is about to be loaded. Returns the dotted fields that differ from the run's recorded
+    ``config.yaml`` and may (sorted); raises ConfigError for the ones that may not, or a tokenizer that is
+    not the run's. A folder without a recorded config or tokenizer (an older layout) is not checked for it."""
+    recorded_tok = run_dir / "tokenizer.json"
+    if recorded_tok.is_file():
+        theirs = load_tokenizer(recorded_tok)  # ConfigError naming the file if it is damaged
+        if theirs.fingerprint != tokenizer.fingerprint:
+            raise ConfigError(f"cannot resume {run_dir} with another tokenizer: data.tokenizer="
+                              f"{cfg.data.tokenizer!r} with data.source={cfg.data.source!r} gives a tokenizer "
+                              f"that differs from the run's {recorded_tok}; resume with the run's data settings (its "
+                              f"config.yaml), or pass --data.tokenizer={recorded_tok} to keep its tokenizer")
+    changed: list[str] = []
+    recorded_cfg = run_dir / "config.yaml"
+    if recorded_cfg.is_file():
+        before = flatten_config(TrainConfig.load(recorded_cfg).to_dict())
+        after = flatten_config(cfg.to_dict())
+        differ = sorted(k for k in before.keys() | after.keys()
+                        if before.get(k) != after.get(k) and k not in RUN_CONTROL_FIELDS)
+        fixed = [k for k in differ if k.startswith("model.") and k not in FREE_MODEL_FIELDS]
+        if fixed:
+            what = ", ".join(f"{k}: {_show(before.get(k))} -> {_show(after.get(k))}" for k in fixed)
+            raise ConfigError(f"cannot resume {run_dir} as a different model ({what}; recorded in "
+                              f"{recorded_cfg}): resume with the run's own model settings, or train the new "
+                              "model in another --out")
+        changed = differ
+    return changed
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is None else repr(value)

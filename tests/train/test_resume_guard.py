@@ -1,0 +1,76 @@
+"""``train --resume`` continues the run's model with the run's tokenizer (``hybridnorm.train.resume_guard``):
+a command that asks for another architecture or another tokenizer is refused with one error before the
+run folder is touched; a change that keeps the model (more steps, another learning rate, the plain kernels)
+is allowed and logged as an event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from train_helpers import read_metrics
+
+from hybridnorm.data.tokenizer import train_bpe
+from hybridnorm.errors import ConfigError
+from hybridnorm.train.checkpoint import list_checkpoints
+from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.trainer import train
+
+
+@pytest.fixture
+def run(make_cfg, tmp_path) -> Path:
+    """A run of 2 steps with its checkpoint (tiny model, byte tokenizer)."""
+    out = tmp_path / "run"
+    train(make_cfg(out, "--max_steps=2", "--ckpt_interval=2"), quiet=True)
+    return out
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (run / "config.yaml", run / "tokenizer.json", run / "metrics.jsonl")}
+
+
+def test_same_command_resumes_without_a_change_event(make_cfg, run):
+    train(make_cfg(run, "--max_steps=2", "--ckpt_interval=2"), resume=True, quiet=True)
+    assert not [e for e in read_metrics(run, "event") if e["event"] == "config_changed_on_resume"]
+
+
+def test_a_change_that_keeps_the_model_is_allowed_and_logged(make_cfg, run):
+    result = train(make_cfg(run, "--max_steps=3", "--optim.lr=1e-3", "--model.fast_kernels=false",
+                            "--ckpt_interval=1", "--stop_after_steps=5"),  # run control: not reported
+                   resume=True, quiet=True)
+    assert result.step == 3
+    (event,) = [e for e in read_metrics(run, "event") if e["event"] == "config_changed_on_resume"]
+    assert event["step"] == 2 and event["fields"] == ["max_steps", "model.fast_kernels", "optim.lr"]
+    saved = TrainConfig.load(run / "config.yaml")
+    assert saved.optim.lr == 1e-3 and saved.max_steps == 3  # config.yaml says what the run now trains with
+
+
+@pytest.mark.parametrize(("override", "fields"), [
+    ("--model.placement=post", "model.placement: 'hybridnorm_star' -> 'post'"),  # same parameter shapes
+    ("--model.norm_eps=0.001", "model.norm_eps: 1e-05 -> 0.001"),
+    ("--model.rope_theta=10000", "model.rope_theta"),
+])
+def test_another_architecture_is_refused_before_anything_is_written(make_cfg, run, override, fields):
+    before = _files(run)
+    with pytest.raises(ConfigError, match=rf"cannot resume .*as a different model \({fields}") as e:
+        train(make_cfg(run, "--max_steps=3", override), resume=True, quiet=True)
+    assert str(run / "config.yaml") in str(e.value)
+    assert _files(run) == before and [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000002"]
+
+
+def test_another_tokenizer_is_refused(make_cfg, run, tmp_path):
+    other = train_bpe(["in the beginning was the word " * 20, "and the word was with god " * 20], vocab_size=300)
+    other.save(tmp_path)
+    before = _files(run)
+    with pytest.raises(ConfigError, match=r"another tokenizer: .*differs from the run's .*tokenizer\.json"):
+        train(make_cfg(run, "--max_steps=3", f"--data.tokenizer={tmp_path / 'tokenizer.json'}"),
+              resume=True, quiet=True)
+    assert _files(run) == before
+
+
+def test_a_damaged_tokenizer_file_is_named(make_cfg, run):
+    (run / "tokenizer.json").write_bytes(b"\xff{not a tokenizer")
+    before = _files(run)
+    with pytest.raises(ConfigError, match=r"cannot read tokenizer file .*run/tokenizer\.json"):
+        train(make_cfg(run, "--max_steps=3"), resume=True, quiet=True)
+    assert _files(run) == before
