@@ -272,8 +272,12 @@ def test_resume_through_the_cli_continues_the_run(run, work, tmp_path, capsys, m
     monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
     copy = _copy(run, tmp_path)
     assert cli.main(_train_args(work, copy, "--max-steps", "6", "--resume")) == 0
-    assert "final: step 6" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "final: step 6, train loss " in out and "no step to train" not in out
     assert (copy / "checkpoints" / "step_000006").is_dir()
+    # the same command again: nothing left to train, said as such rather than as a NaN train loss
+    assert cli.main(_train_args(work, copy, "--max-steps", "6", "--resume")) == 0
+    assert "final: step 6, train loss - (no step to train)" in capsys.readouterr().out
 
 
 def test_size_preset_alone_picks_a_seq_len_that_fits(work, tmp_path, capsys, monkeypatch):

@@ -59,7 +59,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         return EXIT_INTERRUPTED
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun every rank returns here: one summary line
     if rank0 and result.val_loss is not None and result.unigram_entropy is not None:
-        print(f"final: step {result.step}, train loss {result.train_loss:.4f}, val loss {result.val_loss:.4f} "
+        # NaN without divergence: no step trained by this command (a resume of a run already at max_steps)
+        train_loss = f"{result.train_loss:.4f}" if math.isfinite(result.train_loss) else "- (no step to train)"
+        print(f"final: step {result.step}, train loss {train_loss}, val loss {result.val_loss:.4f} "
               f"(val ppl {math.exp(result.val_loss):.2f}); unigram entropy {result.unigram_entropy:.4f} nats; "
               f"run folder {result.run_dir}")
     return 0
