@@ -169,3 +169,23 @@ def test_auto_precision_is_one_choice_for_the_whole_grid(make_cfg, tmp_path, mon
     fixed = make_cfg(tmp_path / "b", "--precision=bf16", "--model.n_heads=4", "--model.n_kv_heads=2")
     kept = one_precision([point_config(fixed, grid, p, tmp_path / "grid" / p.name) for p in points])
     assert [c.precision for c in kept] == ["bf16"] * len(widths)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(placements=["pre", "hybridnorm", "pre"]), "--placements lists 'pre' twice"),
+    (dict(placements=["pre"], inits=["normal", "normal"]), "--init lists 'normal' twice"),
+    (dict(placements=["pre"], seeds=[0, 1, 0]), "--seeds lists 0 twice"),
+    (dict(placements=["pre"], axes=[("optim.lr", [1e-3, 2e-3, 0.001])]), "--axis optim.lr lists 0.001 twice"),
+    (dict(placements=["pre"], axes=[("model.n_layers", [2, 2.0])]), r"lists 2.0 twice \(2 and 2.0 are one value\)"),
+])
+def test_a_value_listed_twice_is_refused(kwargs, message):
+    """Each grid point trains once; a value listed twice would be counted twice by the report's statistics
+    (a doubled seed makes a paired interval look tighter than the data allow)."""
+    with pytest.raises(ConfigError, match=message):
+        Grid(**kwargs).validate()
+    assert Grid(placements=["pre"], axes=[("optim.lr", [1e-3, 2e-3])], seeds=[0, 1]).validate()
+
+
+def test_values_that_name_the_same_run_folder_are_refused():
+    with pytest.raises(ConfigError, match=r"share the run folder 'pre-init=paper-data.source=a_b-seed0'"):
+        Grid(placements=["pre"], axes=[("data.source", ["a b", "a_b"])]).validate()

@@ -95,6 +95,13 @@ class Grid:
             raise ConfigError("every --axis needs at least one value")
         if self.warmup_frac is not None and not 0 <= self.warmup_frac < 1:
             raise ConfigError(f"--warmup-frac={self.warmup_frac} must be in [0, 1)")
+        for option, values in (("--placements", self.placements), ("--init", self.inits),
+                               ("--seeds", self.seeds), *((f"--axis {k}", v) for k, v in self.axes)):
+            _no_repeats(option, values)
+        names = [p.name for p in self.points()]
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:  # two values that differ but name the same run folder
+            raise ConfigError(f"two grid points would share the run folder {twice!r}; make their values distinct")
         return self
 
     def points(self) -> list[GridPoint]:
@@ -104,6 +111,20 @@ class Grid:
             combos = [(*c, (knob_key(key), v)) for c in combos for v in values]
         return [GridPoint(p, init, knobs, seed) for seed in self.seeds for knobs in combos
                 for init in self.inits for p in self.placements]
+
+
+def _no_repeats(option: str, values: Sequence[Any]) -> None:
+    """A value listed twice would train once and then count twice in the report's statistics."""
+    for i, v in enumerate(values):
+        earlier = [u for u in values[:i] if _same_value(u, v)]
+        if earlier:
+            same = f" ({earlier[0]!r} and {v!r} are one value)" if repr(earlier[0]) != repr(v) else ""
+            raise ConfigError(f"{option} lists {v!r} twice{same}; each value may appear once")
+
+
+def _same_value(a: Any, b: Any) -> bool:  # 1e-3 and 0.001 are one lr; True and 1 are not one value
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
+    return a == b and (numbers or type(a) is type(b))
 
 
 def with_diagnostics(cfg: TrainConfig, every: int | None = None) -> TrainConfig:
