@@ -274,10 +274,13 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
     points = grid.points()
     dirs = {p: out / "runs" / p.name for p in points}
 
+    warned: set[Path] = set()  # records() runs after every finished run: say each unreadable folder once
+
     def records() -> list[RunRecord]:  # a point not started yet still has its placement, init, knobs, seed
         recs = [read_run_or_unreadable(dirs[p], p.placement, p.seed, p.init, dict(p.knobs)) for p in points]
         for r in recs:
-            if r.problem:
+            if r.problem and r.path not in warned:
+                warned.add(r.path)
                 print(f"[grid] {r.path.name} left out of the report: {r.problem}", file=sys.stderr, flush=True)
         return recs
 

@@ -76,9 +76,8 @@ def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = No
     baseline = baseline or (runs[0].placement if runs else None)
     records = [r.to_record(out) for r in runs]
     groups = _group_stats(done, baseline)
-    (out / "runs.json").write_text(json.dumps({"command": command, "baseline": baseline,
-                                               "varying": varying_fields(done),
-                                               "partly_recorded": partly_recorded_fields(done), "runs": records,
+    fields = {"varying": varying_fields(done), "partly_recorded": partly_recorded_fields(done)}
+    (out / "runs.json").write_text(json.dumps({"command": command, "baseline": baseline, **fields, "runs": records,
                                                "groups": groups}, indent=1), encoding="utf-8")
     if done:
         plots.loss_curves(done, out / "loss_curves.png")
@@ -90,7 +89,7 @@ def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = No
     axes = _numeric_axes(done)
     for key in (k for k in axes if len({r.knobs[k] for r in done}) > 1):  # a curve needs two values
         plots.knob_curve(_knob_points(done, key), out / f"sweep_{key}.png", key, log_x=key == "optim.lr")
-    text = _summary(runs, done, groups, axes, baseline, command, title, out)
+    text = _summary(runs, done, groups, axes, fields, baseline, command, title, out)
     (out / "summary.md").write_text(text, encoding="utf-8")
     return out / "summary.md"
 
@@ -140,7 +139,8 @@ def _knob_points(done: Sequence[RunRecord], key: str) -> dict[str, list[tuple[fl
 
 
 def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[dict[str, Any]], axes: list[str],
-             baseline: str | None, command: str | None, title: str, out: Path) -> str:
+             fields: dict[str, list[str]], baseline: str | None, command: str | None, title: str, out: Path) -> str:
+    """``fields``: the config fields that vary between the finished runs and those only some of them record."""
     lines = [f"# {title}", ""]
     if command:
         lines += ["```", command, "```", ""]
@@ -158,11 +158,10 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
                   f"wd {o.get('weight_decay')}; {c.get('precision')}; data {c.get('data', {}).get('source')}; "
                   f"validation on {r0['val_tokens'] or 0:,} tokens; unigram baseline "
                   f"{(r0['unigram_entropy'] or math.nan):.3f} nats.", ""]
-        varying = varying_fields(done)
+        varying, partly = fields["varying"], fields["partly_recorded"]
         lines += ["**What differs between runs:** " + (", ".join(f"`{f}`" for f in varying) or "nothing but the seed")
                   + ". Each Δ below pairs a placement with the baseline "
                   + f"`{baseline}` at the same init axis value, knob values and seed.", ""]
-        partly = partly_recorded_fields(done)
         if partly:
             lines += ["Recorded in only some runs' configs (fields added to the config after the other runs' "
                       "configs were written; those runs ran with the default of the code that trained them, see "

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridnorm.config_base import flatten_config
+from hybridnorm.config_base import config_differences, flatten_config
 from hybridnorm.data.tokenizer import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.config import TrainConfig
@@ -50,20 +50,18 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer) -> list[
                               f"{cfg.data.tokenizer!r} with data.source={cfg.data.source!r} gives a tokenizer "
                               f"that differs from the run's {recorded_tok}; resume with the run's data settings (its "
                               f"config.yaml), or pass --data.tokenizer={recorded_tok} to keep its tokenizer")
-    changed: list[str] = []
     recorded_cfg = run_dir / "config.yaml"
-    if recorded_cfg.is_file():
-        before = flatten_config(TrainConfig.load(recorded_cfg).to_dict())
-        after = flatten_config(cfg.to_dict())
-        differ = sorted(k for k in before.keys() | after.keys()
-                        if before.get(k) != after.get(k) and k not in RUN_CONTROL_FIELDS)
-        fixed = [k for k in differ if k.startswith("model.") and k not in FREE_MODEL_FIELDS]
-        if fixed:
-            what = ", ".join(f"{k}: {_show(before.get(k))} -> {_show(after.get(k))}" for k in fixed)
-            raise ConfigError(f"cannot resume {run_dir} as a different model ({what}; recorded in "
-                              f"{recorded_cfg}): resume with the run's own model settings, or train the new "
-                              "model in another --out")
-        changed = differ
+    if not recorded_cfg.is_file():
+        return []
+    recorded, requested = TrainConfig.load(recorded_cfg).to_dict(), cfg.to_dict()
+    changed = [k for k in config_differences(recorded, requested) if k not in RUN_CONTROL_FIELDS]
+    fixed = [k for k in changed if k.startswith("model.") and k not in FREE_MODEL_FIELDS]
+    if fixed:
+        before, after = flatten_config(recorded), flatten_config(requested)
+        what = ", ".join(f"{k}: {_show(before.get(k))} -> {_show(after.get(k))}" for k in fixed)
+        raise ConfigError(f"cannot resume {run_dir} as a different model ({what}; recorded in "
+                          f"{recorded_cfg}): resume with the run's own model settings, or train the new "
+                          "model in another --out")
     return changed
 
 
