@@ -83,16 +83,18 @@ def test_compare_cli_rejects_unknown_placement_before_training(tmp_path, capsys)
     assert not (tmp_path / "c" / "runs").exists()
 
 
-def _fake_run(root, placement, lr, seed, val, n_layers=2, extra: dict | None = None, code: dict | None = None):
+def _fake_run(root, placement, lr, seed, val, n_layers=2, extra: dict | None = None, code: dict | None = None,
+              hardware: dict | None = None):
     """A finished grid run folder written by hand: the verdict follows from val vs the baseline 6.0.
-    ``extra``: more top-level config fields; ``code``: the meta record's code versions."""
+    ``extra``: more top-level config fields; ``code``, ``hardware``: the meta record's provenance."""
     run = root / "runs" / f"{placement}-lr{lr}-s{seed}"
     run.mkdir(parents=True)
     (run / "point.json").write_text(json.dumps({
         "point": {"placement": placement, "init": "megatron", "knobs": {"optim.lr": lr}, "seed": seed},
         "config": {"max_steps": 10, "model": {"n_layers": n_layers}, "optim": {"lr": lr}, **(extra or {})}}))
     meta = {"kind": "meta", "step": 0, "init": "megatron", "unigram_entropy": 6.0}
-    recs = [{**meta, "code": code} if code else meta,
+    meta = {**meta, **({"code": code} if code else {}), **({"hardware": hardware} if hardware else {})}
+    recs = [meta,
             {"kind": "train", "step": 10, "loss": val, "tokens": 100},
             {"kind": "eval", "step": 10, "val_loss": val, "val_tokens": 100}]
     (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
@@ -133,3 +135,22 @@ def test_report_tells_fields_some_runs_lack_from_real_differences_and_names_the_
     assert "Recorded in only some runs' configs" in text and "`grad_accum`, `host_sync`" in text
     assert "Code that made the runs: not recorded (2 runs); hybridnorm 0.1.0 @ 01234567, torch 2.13.0 (2 runs)." in text
     assert [r["code"] for r in data["runs"]] == [None, new, new, None]
+    assert "Hardware that ran them: not recorded (4 runs)." in text
+
+
+def test_report_counts_the_hardware_that_ran_the_runs(tmp_path):
+    """Seeds run on different machines (a GPU for some, a CPU for others) are named with their counts, so a
+    reader can see that a paired difference compares runs made on one kind of hardware or not."""
+    from hybridnorm.experiments.report import write_report
+
+    gpu = {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "processes": 1, "threads": 1}
+    cpu = {"device": "cpu", "name": "AMD EPYC 7B13", "processes": 1, "threads": 2}
+    runs = [_fake_run(tmp_path, "pre", 1e-3, 0, 5.0, hardware=cpu),
+            _fake_run(tmp_path, "pre", 1e-3, 1, 5.1, hardware=gpu),
+            _fake_run(tmp_path, "pre", 1e-3, 2, 5.2, hardware=gpu),
+            _fake_run(tmp_path, "hybridnorm", 1e-3, 0, 5.0)]
+    text = write_report(runs, tmp_path, baseline="pre").read_text()
+    assert ("Hardware that ran them: cuda NVIDIA H100 80GB HBM3 (2 runs); cpu AMD EPYC 7B13 (2 threads) (1 run); "
+            "not recorded (1 run).") in text
+    data = json.loads((tmp_path / "runs.json").read_text())
+    assert [r["hardware"] for r in data["runs"]] == [cpu, gpu, gpu, None]

@@ -81,6 +81,8 @@ def test_the_good_folder_reads(tmp_path):
     ("metrics.jsonl", b"5\n", "must be a JSON object, got int"),
     ("metrics.jsonl", b'{"kind": "meta", "step": 0, "unigram_entropy": "6"}\n', "'unigram_entropy' has the wrong type"),
     ("metrics.jsonl", b'{"kind": "meta", "step": 0, "code": {"git_commit": 7}}\n', "'code' has the wrong type"),
+    ("metrics.jsonl", b'{"kind": "meta", "step": 0, "hardware": {"threads": 1.5}}\n', "'hardware' has the wrong type"),
+    ("metrics.jsonl", b'{"kind": "meta", "step": 0, "hardware": "H100"}\n', "'hardware' has the wrong type"),
     ("divergence.json", b"\x00\xff", "cannot read divergence report"),
     ("divergence.json", b'"diverged"', "expected a mapping"),
 ])

@@ -12,7 +12,8 @@ import torch
 from train_helpers import read_metrics
 
 import hybridnorm
-from hybridnorm.train.provenance import code_versions, describe
+from hybridnorm.train import provenance
+from hybridnorm.train.provenance import code_versions, describe, describe_hardware, hardware
 from hybridnorm.train.trainer import train
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="no git program")
@@ -61,3 +62,31 @@ def test_the_run_records_its_code_versions(make_cfg, tmp_path):
     (meta,) = read_metrics(tmp_path / "run", "meta")
     assert meta["code"] == code_versions()
     assert meta["code"]["hybridnorm"] == hybridnorm.__version__
+
+
+
+def test_the_run_records_the_hardware_that_ran_it(make_cfg, tmp_path):
+    """The meta record names the device kind, the CPU's model name (read here from /proc/cpuinfo by a
+    regular expression, apart from the code's line parser), one process, and this process's threads."""
+    import re
+    from pathlib import Path
+
+    train(make_cfg(tmp_path / "run", "--max_steps=1", "--device=cpu"), quiet=True)
+    (meta,) = read_metrics(tmp_path / "run", "meta")
+    cpuinfo = Path("/proc/cpuinfo")
+    found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M) if cpuinfo.is_file() else None
+    name = found.group(1).strip() if found else meta["hardware"]["name"]
+    assert meta["hardware"] == {"device": "cpu", "name": name, "processes": 1, "threads": torch.get_num_threads()}
+
+
+def test_hardware_without_cpuinfo_and_its_report_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(provenance, "_CPUINFO", tmp_path / "absent")
+    monkeypatch.setattr(provenance.platform, "processor", lambda: "")
+    assert hardware(torch.device("cpu"), 4)["name"] is None  # nothing known: None, never a guess
+    threads = torch.get_num_threads()
+    assert describe_hardware(hardware(torch.device("cpu"), 4)) == f"4 × cpu unknown model ({threads} threads)"
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.0GHz\nflags\t: sse\n")
+    monkeypatch.setattr(provenance, "_CPUINFO", tmp_path / "cpuinfo")
+    assert hardware(torch.device("cpu"))["name"] == "Some CPU @ 2.0GHz"
+    gpu = {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "processes": 8, "threads": 4}
+    assert describe_hardware(gpu) == "8 × cuda NVIDIA H100 80GB HBM3" and describe_hardware(None) == "not recorded"

@@ -21,6 +21,7 @@ from hybridnorm.experiments import plots, verdict
 from hybridnorm.experiments.runs import RunRecord
 from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
 from hybridnorm.train.provenance import describe as describe_code
+from hybridnorm.train.provenance import describe_hardware
 
 # Config fields that name the run rather than change it.
 BOOKKEEPING = {"out_dir", "seed", "model.placement", "data.cache_dir"}
@@ -58,11 +59,13 @@ def partly_recorded_fields(runs: Sequence[RunRecord]) -> list[str]:
     return sorted(set.union(*keys) - set.intersection(*keys) - BOOKKEEPING) if keys else []
 
 
-def code_versions_line(runs: Sequence[RunRecord]) -> str:
-    """Which code made the runs (the trainer's ``meta`` record), each version with its number of runs."""
+def code_versions_line(runs: Sequence[RunRecord], field: str = "code") -> str:
+    """Which code made the runs (the trainer's ``meta`` record), each version with its number of runs; with
+    ``field="hardware"``, which hardware ran them."""
+    describe = describe_hardware if field == "hardware" else describe_code
     counts: dict[str, int] = defaultdict(int)
     for r in runs:
-        counts[describe_code(r.meta.get("code"))] += 1
+        counts[describe(r.meta.get(field))] += 1
     return "; ".join(f"{v} ({n} run{'s' * (n != 1)})" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
@@ -167,7 +170,8 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
                       "configs were written; those runs ran with the default of the code that trained them, see "
                       "the code line): "
                       + ", ".join(f"`{f}`" for f in partly) + ".", ""]
-        lines += [f"Code that made the runs: {code_versions_line(done)}.", ""]
+        lines += [f"Code that made the runs: {code_versions_line(done)}.", "",
+                  f"Hardware that ran them: {code_versions_line(done, 'hardware')}.", ""]
         if "init" in varying and any(r.init == "paper" for r in done):
             lines += ["**Init is confounded with placement** where the init axis is `paper`: each placement "
                       "uses its paper default (listed per row). Compare rows with one init for all to separate "

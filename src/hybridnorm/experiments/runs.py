@@ -121,6 +121,7 @@ class RunRecord:
             "grad_clip": optim.get("grad_clip"), "n_layers": self.n_layers, "d_model": model.get("d_model"),
             "params": self.meta.get("params"), "precision": cfg.get("precision"),
             "diverged_at": self.diverged_at, "code": self.meta.get("code"),  # None: made before it was logged
+            "hardware": self.meta.get("hardware"),
             **{k: _num(x) for k, x in collapse_signals(self.diag[-1] if self.diag else None, self.n_layers).items()},
         }
 
@@ -204,10 +205,15 @@ def _is_code(x: Any) -> bool:  # provenance.code_versions(): strings, and a bool
     return x is None or (isinstance(x, dict) and all(v is None or isinstance(v, (str, bool)) for v in x.values()))
 
 
+def _is_hardware(x: Any) -> bool:  # provenance.hardware(): strings (or None) and whole numbers
+    return x is None or (isinstance(x, dict) and all(v is None or isinstance(v, (str, int)) for v in x.values()))
+
+
 # the meta record's fields that the readers use, and what each must be (the trainer's _log_header writes them)
 _META_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: isinstance(x, str),
                 "precision": lambda x: isinstance(x, str), "params": _is_number, "unigram_entropy": _is_number,
-                "train_tokens_available": _is_number, "val_tokens_available": _is_number, "code": _is_code}
+                "train_tokens_available": _is_number, "val_tokens_available": _is_number, "code": _is_code,
+                "hardware": _is_hardware}
 
 
 def read_run(path: str | Path, placement: str | None = None, seed: int | None = None, init: str | None = None,

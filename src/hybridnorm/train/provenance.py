@@ -1,5 +1,5 @@
-"""Which code made a run: the versions of hybridnorm, torch and Python, and the git commit of the hybridnorm
-source when it is a git checkout.
+"""Which code made a run, and on what hardware: the versions of hybridnorm, torch and Python, the git commit
+of the hybridnorm source when it is a git checkout, and the device that ran the steps.
 
 The trainer writes this into the run's ``meta`` record so that a report comparing runs made weeks apart can
 say whether the same code made them (a config records what was asked for, not the code that did it). The
@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 import hybridnorm
+
+_CPUINFO = Path("/proc/cpuinfo")
 
 
 def _git(args: list[str], cwd: Path) -> str | None:
@@ -50,3 +52,34 @@ def describe(versions: dict[str, Any] | None) -> str:
     commit = versions.get("git_commit")
     at = f" @ {commit[:8]}" + (" (modified)" if versions.get("git_dirty") else "") if commit else ""
     return f"hybridnorm {versions.get('hybridnorm', '?')}{at}, torch {versions.get('torch', '?')}"
+
+
+def _cpu_name() -> str | None:
+    """The processor's model name (Linux: /proc/cpuinfo; elsewhere what ``platform`` knows, maybe nothing)."""
+    try:
+        for line in _CPUINFO.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def hardware(device: torch.device, processes: int = 1) -> dict[str, Any]:
+    """{"device", "name", "processes", "threads"}: the kind of device the steps ran on (cpu / cuda / mps), its
+    model name (a GPU's, or the CPU's), how many processes trained together, and the CPU threads of this
+    one. Two runs with the same seed and config can differ in the last digits on other hardware: a report
+    says which ran where."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return {"device": device.type, "name": name, "processes": processes, "threads": torch.get_num_threads()}
+
+
+def describe_hardware(record: dict[str, Any] | None) -> str:
+    """One short line for a report: ``cuda NVIDIA H100 80GB HBM3``, ``cpu AMD EPYC 9B14 (2 threads)``, with
+    ``2 × `` in front when several processes trained together; ``not recorded`` for older runs."""
+    if not record:
+        return "not recorded"
+    kind, name = record.get("device", "?"), record.get("name") or "unknown model"
+    threads = f" ({record['threads']} threads)" if kind == "cpu" and record.get("threads") else ""
+    times = f"{record['processes']} × " if (record.get("processes") or 1) > 1 else ""
+    return f"{times}{kind} {name}{threads}"

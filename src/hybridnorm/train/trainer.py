@@ -26,6 +26,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, s
 from hybridnorm.train.parallel import data_parallel, shard_model
 from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
-from hybridnorm.train.provenance import code_versions
+from hybridnorm.train.provenance import code_versions, hardware
 from hybridnorm.train.resume_guard import check_resume
 from hybridnorm.train.retention import ResumePoint, checkpoint_for_resume
 from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
@@ -88,7 +89,7 @@ def _prepare_data(cfg: TrainConfig, d: Dist) -> PreparedData:
 
 
 def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data: PreparedData, step: int,
-                ckpt: Path | None, train_n: int, val_n: int) -> None:
+                ckpt: Path | None, train_n: int, val_n: int, ran_on: dict[str, Any]) -> None:
     log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
                 f"vocab {cfg.model.vocab_size}; data: {cfg.data.source} ({train_n:,} train / {val_n:,} val tokens); "
                 f"unigram entropy {data.stats.unigram_entropy:.3f} nats" + (f"; resumed from {ckpt}" if ckpt else ""))
@@ -98,7 +99,7 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
                    "precision": cfg.precision,
                    "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
                    "train_tokens_available": train_n, "val_tokens_available": val_n,
-                   "code": code_versions()}, "meta")
+                   "code": code_versions(), "hardware": ran_on}, "meta")
 
 
 def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.device, d: Dist) -> torch.nn.Module:
@@ -170,7 +171,8 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         data.tokenizer.save(run_dir)
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
-    _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens))
+    _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens),
+                hardware(device, d.world_size))
     log.message(f"precision: {precision} ({why}); AdamW: {describe_optimizer(optimizer)}")
     if changed:  # printed too: the settings a resume changed are worth a line on the console
         log.log(state.step, {"event": "config_changed_on_resume", "fields": changed}, "event")
