@@ -102,3 +102,47 @@ def test_readme_table_is_rewritten_between_markers_and_checked(tmp_path):
     assert text.startswith("intro\n") and text.endswith("outro\n") and "stale" not in text
     assert "from 1 finished runs of study A" in text
     assert claims.main([str(tmp_path), "--check"]) == 0
+
+
+def test_study_tables_are_computed_from_the_runs_and_kept_in_step(tmp_path):
+    """Each study's measurement table in the README is generated: a cell is the mean ± sample std of the
+    finished seeds (hand-computed here) with their verdict counts; unfinished runs count only in the total;
+    rows keep the grid's order; --check fails once a run record changes and the table was not rewritten."""
+    from hybridnorm.experiments import study_tables
+
+    runs = [_run("pre", 1e-3, 0, 4.0), _run("pre", 1e-3, 1, 4.2), _run("pre", 1e-3, 2, 4.4, done=False),
+            _run("hybridnorm", 1e-3, 0, 6.15, verdict="collapsed"), _run("hybridnorm", 1e-3, 1, 4.1),
+            _run("hybridnorm", 1e-2, 0, None, verdict="diverged")]
+    _study(tmp_path, claims.STUDY_A, runs)
+    begin, end = study_tables.markers(claims.STUDY_A)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{claims.BEGIN}\n{claims.END}\nA:\n{begin}\nstale\n{end}\n")
+    assert claims.main([str(tmp_path), "--check"]) == 1
+    assert claims.main([str(tmp_path)]) == 0
+    text = readme.read_text()
+    lines = text.split(begin)[1].split(end)[0].strip().splitlines()
+    assert lines[0] == "| placement | init | lr 0.001 | lr 0.01 |"
+    # pre at 1e-3: seeds 0 and 1 finished -> mean 4.1, std sqrt(((0.1)^2 * 2) / 1) = 0.1414
+    assert lines[2] == "| pre | megatron | 4.100 ± 0.141 (n=2: 2 trained) | — |"
+    assert lines[3] == ("| hybridnorm | megatron | 5.125 ± 1.450 (n=2: 1 trained, 1 collapsed) | "
+                        "no val loss (n=1: 1 diverged) |")
+    assert "5 finished runs of 6" in text and "stale" not in text
+    assert claims.main([str(tmp_path), "--check"]) == 0
+    runs[1]["final_val_loss"] = 4.3  # the data moved on; the README did not
+    _study(tmp_path, claims.STUDY_A, runs)
+    assert claims.main([str(tmp_path), "--check"]) == 1
+
+
+def test_a_broken_table_block_is_one_error_naming_the_readme(tmp_path, capsys):
+    from hybridnorm.experiments import study_tables
+
+    _study(tmp_path, claims.STUDY_B, [_run("pre", None, 0, 4.0, layers=12)])
+    begin, _ = study_tables.markers(claims.STUDY_B)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{claims.BEGIN}\n{claims.END}\n{begin}\nno end marker\n")
+    assert claims.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(readme) in err and "table:B_depth:end" in err and err.count("\n") == 1
+    readme.write_text("no claims markers at all\n")
+    assert claims.main([str(tmp_path), "--check"]) == 2
+    assert "claims:begin" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 
 ``python -m hybridnorm.experiments.claims docs/results`` rewrites the table between the ``claims`` markers
 of ``docs/results/README.md`` from the run records of study A (placement × init × lr × seed) and study B
-(placement × depth × seed); ``--check`` fails when the README's table is not what the data give (CI runs
-it). The rules, decided before the data and applied mechanically:
+(placement × depth × seed), and each study's measurement table between its own markers
+(``experiments.study_tables``); ``--check`` fails when one of them is not what the data give (CI runs it).
+The rules, decided before the data and applied mechanically:
 
 - Only runs with the same seed are paired, and only cells (placement, init, knob values) in which every
   seed finished are used; each row says how many seeds that is.
@@ -32,6 +33,7 @@ from typing import Any
 from hybridnorm.config_base import read_file
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.stats import PairedDiff, mean_std, paired_difference
+from hybridnorm.experiments.study_tables import tables as study_tables
 
 STUDY_A, STUDY_B = "A_lr_init_24_layers", "B_depth"
 BEGIN, END = "<!-- claims:begin -->", "<!-- claims:end -->"
@@ -235,15 +237,23 @@ def claim_table(results: Path) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def _replace_block(text: str, begin: str, end: str, body: str, where: Path) -> str:
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ConfigError(f"{where}: expected one {begin} … {end} block")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}{end}{tail}"
+
+
 def update_readme(results: Path, check: bool = False) -> bool:
-    """Rewrite (or, with ``check``, compare) the README's claim table; True when it was already current."""
+    """Rewrite (or, with ``check``, compare) the README's claim table and, where the README has their
+    markers, the studies' measurement tables; True when all were already current."""
     readme = results / "README.md"
     text = readme.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{readme}: no {BEGIN} … {END} markers")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{claim_table(results)}{END}{tail}"
+    new = _replace_block(text, BEGIN, END, claim_table(results), readme)
+    for (begin, end), table in study_tables(results, _report_runs).items():
+        if begin in new or end in new:
+            new = _replace_block(new, begin, end, table, readme)
     if new == text:
         return True
     if not check:
