@@ -6,8 +6,9 @@ of ``docs/results/README.md`` from the run records of study A (placement × init
 (``experiments.study_tables``); ``--check`` fails when one of them is not what the data give (CI runs it).
 The rules, decided before the data and applied mechanically:
 
-- Only runs with the same seed are paired, and only cells (placement, init, knob values) in which every
-  seed finished are used; each row says how many seeds that is.
+- Only runs with the same seed are paired, and a cell (placement, init, knob values) holds the seeds that
+  finished; each row says how many seeds that is. While a grid is partial, a cell with fewer seeds can be
+  a placement's best lr, and its comparisons then rest on those seeds only (the row's n says so).
 - "Lower loss" is judged at each placement's own best learning rate (the lr whose runs all trained with the
   lowest mean final val loss), same init: a paired difference whose 95% t interval excludes 0 is
   *supported* / *contradicted*; one that includes 0 is *inconclusive*; one seed is *suggestive* only.
