@@ -146,3 +146,26 @@ def test_a_broken_table_block_is_one_error_naming_the_readme(tmp_path, capsys):
     readme.write_text("no claims markers at all\n")
     assert claims.main([str(tmp_path), "--check"]) == 2
     assert "claims:begin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("runs_json", "says"), [
+    ('{"runs": [{"init": "megatron", "knobs": {}, "seed": 0, "done": true}]}', "no valid 'placement'"),
+    ('{"runs": [{"placement": "pre", "init": "megatron", "knobs": {"optim.lr": "big"}, "seed": 0, '
+     '"done": true, "verdict": "trained", "final_val_loss": 4.0}]}', "no valid 'knobs'"),
+    ('{"runs": [{"placement": "pre", "init": "megatron", "knobs": {}, "seed": "0", "done": true}]}',
+     "no valid 'seed'"),
+    ('{"runs": [{"placement": "pre", "init": "megatron", "knobs": {}, "seed": 0, "done": true, '
+     '"final_val_loss": "4.0"}]}', "no valid 'final_val_loss'"),
+    ('{"runs": [7]}', "run record 0"),
+    ('[1, 2]', "expected a mapping"),
+])
+def test_a_damaged_runs_json_is_one_error_naming_it(tmp_path, capsys, runs_json, says):
+    """A hand-edited or truncated runs.json stops the claim check with one line naming the file, never a
+    KeyError or ValueError traceback from deep inside the tables."""
+    (tmp_path / claims.STUDY_A).mkdir()
+    path = tmp_path / claims.STUDY_A / "runs.json"
+    path.write_text(runs_json)
+    (tmp_path / "README.md").write_text(f"{claims.BEGIN}\n{claims.END}\n")
+    assert claims.main([str(tmp_path), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and says in err and err.count("\n") == 1

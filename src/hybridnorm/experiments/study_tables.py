@@ -17,7 +17,7 @@ from hybridnorm.experiments.stats import finite, mean_std
 
 # study folder -> (knob recorded in each run's knobs, column title of one value)
 STUDIES = {"A_lr_init_24_layers": ("optim.lr", "lr {:g}"), "B_depth": ("model.n_layers", "{:g} layers")}
-VERDICT_ORDER = ("trained", "stalled", "collapsed", "diverged", "unreadable")
+VERDICT_ORDER = ("trained", "stalled", "collapsed", "diverged")
 
 
 def markers(study: str) -> tuple[str, str]:
@@ -38,7 +38,7 @@ def _cell(runs: list[dict]) -> str:
     m, s = mean_std(vals)
     loss = "no val loss" if not vals else f"{m:.3f}" + (f" ± {s:.3f}" if len(vals) > 1 else "")
     seeds = len(runs)
-    return f"{loss} (n={seeds}: {_verdicts([str(r.get('verdict')) for r in runs])})"
+    return f"{loss} (n={seeds}: {_verdicts([r.get('verdict') or 'no verdict' for r in runs])})"
 
 
 def study_table(runs: list[dict], knob: str, column: str) -> str:
