@@ -74,7 +74,7 @@ _RECORD_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: i
                   "seed": lambda x: isinstance(x, int) and not isinstance(x, bool),
                   "knobs": lambda x: isinstance(x, dict) and all(_is_knob(k, v) for k, v in x.items()),
                   "done": lambda x: isinstance(x, bool), "verdict": lambda x: x is None or isinstance(x, str),
-                  "final_val_loss": _number_or_none}
+                  "final_val_loss": _number_or_none, "grad_ratio_first_last": _number_or_none}
 
 
 def _report_runs(path: Path) -> list[dict[str, Any]]:
