@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridnorm.config_base import read_file
 from hybridnorm.errors import ConfigError
+from hybridnorm.experiments.runs import read_report
 from hybridnorm.experiments.stats import PairedDiff, mean_std, paired_difference
 from hybridnorm.experiments.study_tables import tables as study_tables
 
@@ -58,45 +58,12 @@ class Cell:
         return bool(self.verdicts) and all(v == "trained" for v in self.verdicts.values())
 
 
-def _number_or_none(x: Any) -> bool:
-    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
-
-
-def _is_knob(key: str, value: Any) -> bool:
-    """Any JSON scalar; the two knobs the tables are drawn over (lr, depth) must be numbers."""
-    if key in ("optim.lr", "model.n_layers"):
-        return _number_or_none(value) and value is not None
-    return value is None or isinstance(value, (str, int, float, bool))
-
-
-# the fields of a runs.json record that the claim and study tables read, and what each must be
-_RECORD_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: isinstance(x, str),
-                  "seed": lambda x: isinstance(x, int) and not isinstance(x, bool),
-                  "knobs": lambda x: isinstance(x, dict) and all(_is_knob(k, v) for k, v in x.items()),
-                  "done": lambda x: isinstance(x, bool), "verdict": lambda x: x is None or isinstance(x, str),
-                  "final_val_loss": _number_or_none, "grad_ratio_first_last": _number_or_none}
-
-
-def _report_runs(path: Path) -> list[dict[str, Any]]:
-    """The run records of a study's ``runs.json``; ConfigError naming the file (and the record and field)
-    if it is not a report's."""
-    runs = read_file(path, "report file").get("runs")
-    if not isinstance(runs, list):
-        raise ConfigError(f"report file {path}: expected an object with 'runs': a list of run records")
-    for i, r in enumerate(runs):
-        bad = next((k for k, ok in _RECORD_FIELDS.items() if not isinstance(r, dict) or not ok(r.get(k))), None)
-        if bad is not None:
-            have = r.get(bad) if isinstance(r, dict) else r
-            raise ConfigError(f"report file {path}: run record {i} has no valid {bad!r} (got {have!r})")
-    return runs
-
-
 def planned_values(study: Path, knob: str) -> set[float]:
     """Every value of ``knob`` in the study's grid, finished or not."""
     path = study / "runs.json"
     if not path.is_file():
         return set()
-    return {float(r["knobs"][knob]) for r in _report_runs(path) if knob in r["knobs"]}
+    return {float(r["knobs"][knob]) for r in read_report(path) if knob in r["knobs"]}
 
 
 def load_cells(study: Path, knob: str) -> list[Cell]:
@@ -104,7 +71,7 @@ def load_cells(study: Path, knob: str) -> list[Cell]:
     path = study / "runs.json"
     if not path.is_file():
         return []
-    runs = _report_runs(path)
+    runs = read_report(path)
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         if r.get("done") and knob in r["knobs"]:
@@ -277,7 +244,7 @@ def update_readme(results: Path, check: bool = False) -> bool:
     readme = results / "README.md"
     text = readme.read_text(encoding="utf-8")
     new = _replace_block(text, BEGIN, END, claim_table(results), readme)
-    for (begin, end), table in study_tables(results, _report_runs).items():
+    for (begin, end), table in study_tables(results).items():
         if begin in new or end in new:
             new = _replace_block(new, begin, end, table, readme)
     if new == text:

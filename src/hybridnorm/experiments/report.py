@@ -11,7 +11,7 @@ import json
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +59,9 @@ def partly_recorded_fields(runs: Sequence[RunRecord]) -> list[str]:
     return sorted(set.union(*keys) - set.intersection(*keys) - BOOKKEEPING) if keys else []
 
 
-def code_versions_line(runs: Sequence[RunRecord], field: str = "code") -> str:
-    """Which code made the runs (the trainer's ``meta`` record), each version with its number of runs; with
-    ``field="hardware"``, which hardware ran them."""
-    describe = describe_hardware if field == "hardware" else describe_code
+def provenance_line(runs: Sequence[RunRecord], field: str, describe: Callable[[Any], str]) -> str:
+    """Which code made the runs, or which hardware ran them (``field`` of the trainer's ``meta`` record, each
+    value as ``describe`` words it), with its number of runs, most frequent first."""
     counts: dict[str, int] = defaultdict(int)
     for r in runs:
         counts[describe(r.meta.get(field))] += 1
@@ -170,8 +169,8 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
                       "configs were written; those runs ran with the default of the code that trained them, see "
                       "the code line): "
                       + ", ".join(f"`{f}`" for f in partly) + ".", ""]
-        lines += [f"Code that made the runs: {code_versions_line(done)}.", "",
-                  f"Hardware that ran them: {code_versions_line(done, 'hardware')}.", ""]
+        lines += [f"Code that made the runs: {provenance_line(done, 'code', describe_code)}.", "",
+                  f"Hardware that ran them: {provenance_line(done, 'hardware', describe_hardware)}.", ""]
         if "init" in varying and any(r.init == "paper" for r in done):
             lines += ["**Init is confounded with placement** where the init axis is `paper`: each placement "
                       "uses its paper default (listed per row). Compare rows with one init for all to separate "

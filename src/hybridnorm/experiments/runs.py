@@ -216,6 +216,39 @@ _META_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: isi
                 "hardware": _is_hardware}
 
 
+def _number_or_none(x: Any) -> bool:
+    return x is None or _is_number(x)
+
+
+def _is_knob(key: str, value: Any) -> bool:
+    """Any JSON scalar; the two knobs the tables are drawn over (lr, depth) must be numbers."""
+    if key in ("optim.lr", "model.n_layers"):
+        return _is_number(value)
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+# the fields of a runs.json record that the claim and study tables read, and what each must be
+_RECORD_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: isinstance(x, str),
+                  "seed": lambda x: isinstance(x, int) and not isinstance(x, bool),
+                  "knobs": lambda x: isinstance(x, dict) and all(_is_knob(k, v) for k, v in x.items()),
+                  "done": lambda x: isinstance(x, bool), "verdict": lambda x: x is None or isinstance(x, str),
+                  "final_val_loss": _number_or_none, "grad_ratio_first_last": _number_or_none}
+
+
+def read_report(path: Path) -> list[dict[str, Any]]:
+    """The run records of a study's ``runs.json`` (``to_record``'s, as the report writes them); ConfigError
+    naming the file (and the record and field) if it is not a report's."""
+    runs = read_file(path, "report file").get("runs")
+    if not isinstance(runs, list):
+        raise ConfigError(f"report file {path}: expected an object with 'runs': a list of run records")
+    for i, r in enumerate(runs):
+        bad = next((k for k, ok in _RECORD_FIELDS.items() if not isinstance(r, dict) or not ok(r.get(k))), None)
+        if bad is not None:
+            have = r.get(bad) if isinstance(r, dict) else r
+            raise ConfigError(f"report file {path}: run record {i} has no valid {bad!r} (got {have!r})")
+    return runs
+
+
 def read_run(path: str | Path, placement: str | None = None, seed: int | None = None, init: str | None = None,
              knobs: dict[str, Any] | None = None) -> RunRecord:
     """A run folder's record; placement, seed, init and knobs come from ``point.json`` when the grid wrote

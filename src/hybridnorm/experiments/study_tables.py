@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from hybridnorm.experiments.runs import read_report
 from hybridnorm.experiments.stats import finite, mean_std
 
 # study folder -> (knob recorded in each run's knobs, column title of one value)
@@ -66,12 +67,11 @@ def _first_seen(runs: list[dict], placement_init: tuple[str, str]) -> int:
     return next(i for i, r in enumerate(runs) if (r["placement"], r["init"]) == placement_init)
 
 
-def tables(results: Path, read_runs) -> dict[tuple[str, str], str]:
-    """{(begin marker, end marker): table} for every study folder of ``results`` with a runs.json;
-    ``read_runs`` reads and checks a runs.json (claims._report_runs)."""
+def tables(results: Path) -> dict[tuple[str, str], str]:
+    """{(begin marker, end marker): table} for every study folder of ``results`` with a runs.json."""
     out = {}
     for study, (knob, column) in STUDIES.items():
         path = results / study / "runs.json"
         if path.is_file():
-            out[markers(study)] = study_table(read_runs(path), knob, column)
+            out[markers(study)] = study_table(read_report(path), knob, column)
     return out
