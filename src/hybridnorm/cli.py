@@ -132,10 +132,12 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed, as_options=True)  # pre-load
     run = load_run(args.checkpoint)
     gen = torch.Generator().manual_seed(args.seed)
-    ids = run.tokenizer.encode(args.prompt) or [run.tokenizer.eot_id]
+    # <|endoftext|> first, as the evaluators and the exported HF tokenizer do: every training document
+    # followed one, so this is the context a document starts from
+    ids = [run.tokenizer.eot_id, *run.tokenizer.encode(args.prompt)]
     out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None, generator=gen)
-    print(run.tokenizer.decode(out[0].tolist()))
+    print(run.tokenizer.decode(out[0, 1:].tolist()))
     return 0
 
 

@@ -43,19 +43,26 @@ class ExportResult:
     reason: str  # why this class: the match, or why no stock class fits
 
 
-def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+def hf_tokenizer(tok: Tokenizer, max_length: int | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer as a ``PreTrainedTokenizerFast`` with the same ids; ``<|endoftext|>`` (our document
-    separator) serves as bos, eos and pad. The byte tokenizer becomes an equivalent HF byte-level model:
-    a BPE with the 256 byte symbols as ids 0..255 and no merges."""
+    separator) serves as bos, eos and pad, and is prepended by default (``add_special_tokens=True``) as
+    ``hybridnorm generate`` and the evaluators prepend it: training saw every document right after one.
+    ``model_max_length`` is the model's context (``max_length``). The byte tokenizer becomes an equivalent
+    HF byte-level model: a BPE with the 256 byte symbols as ids 0..255 and no merges."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
     if isinstance(tok, BPETokenizer):
-        inner = tok.hf
+        inner = HFTokenizer.from_str(tok.hf.to_str())  # a copy: the run's own tokenizer stays as it is
     elif isinstance(tok, ByteTokenizer):
         inner = _byte_level_tokenizer()
     else:
         raise ConfigError(f"cannot convert a {type(tok).__name__} tokenizer to a Hugging Face one")
     eot = inner.id_to_token(tok.eot_id)
+    inner.post_processor = TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A $B:1",
+                                              special_tokens=[(eot, tok.eot_id)])
     return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=eot, eos_token=eot, pad_token=eot,
-                                   model_max_length=int(1e30), clean_up_tokenization_spaces=False)
+                                   model_max_length=max_length or int(1e30), clean_up_tokenization_spaces=False)
 
 
 def _byte_level_tokenizer():  # -> tokenizers.Tokenizer
@@ -109,7 +116,7 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
         out.mkdir(parents=True, exist_ok=True)
         hf.save_pretrained(out)
         if tokenizer is not None:
-            hf_tokenizer(tokenizer).save_pretrained(out)
+            hf_tokenizer(tokenizer, mc.max_seq_len).save_pretrained(out)
         if not is_stock:
             (out / SHIM).write_text(
                 "# hybridnorm's own HF class, for from_pretrained(..., trust_remote_code=True).\n"
