@@ -85,10 +85,13 @@ def test_greedy_beam_search_of_width_one_and_assisted_decoding_equal_greedy() ->
     x[0, 6:] = x[0, :6]  # repeats, so prompt lookup has candidates to propose
     greedy = ours.generate(x, NEW, temperature=0)
     assert torch.equal(hf.generate(x, max_new_tokens=NEW, min_new_tokens=NEW, num_beams=1), greedy)
-    lookup = hf.generate(x, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3)
+    # an eos id (never reached: min_new_tokens): transformers 5.5's candidate generators need one
+    lookup = hf.generate(x, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3,
+                         eos_token_id=0)
     assert torch.equal(lookup, greedy)
     assistant, _ = pair("pre", seed=5)  # a different (draft) model: its proposals are verified, never trusted
-    assisted = hf.generate(x, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, assistant_model=assistant)
+    assisted = hf.generate(x, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, assistant_model=assistant,
+                           eos_token_id=0)
     assert torch.equal(assisted, greedy)
 
 

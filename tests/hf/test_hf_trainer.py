@@ -65,19 +65,47 @@ def one_trainer_step(tmp: Path, model: HybridNormForCausalLM, batch: int, accum:
     return loss, grads
 
 
+def stock_llama(*_: object) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+def pinned_transformers() -> str:
+    """The transformers version constraints.txt pins (the one `make test` installs)."""
+    lines = (Path(__file__).resolve().parents[2] / "constraints.txt").read_text(encoding="utf-8").splitlines()
+    return next(line.split("==")[1] for line in lines if line.startswith("transformers=="))
+
+
 @pytest.mark.parametrize("placement", ["hybridnorm_star", "post"])
 def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, placement: str) -> None:
-    """8 ragged samples as 1 x 8 and as 4 micro-batches of 2: same logged loss, same gradients."""
+    """8 ragged samples as 1 x 8 and as 4 micro-batches of 2: same logged loss, same gradients. The same
+    Trainer on a stock LlamaForCausalLM is the oracle for what it does to any model's gradients under
+    accumulation (transformers 5.5.0 with accelerate 1.15 scales them by 1/4 for every model): ours must
+    match; on the pinned release that ratio is exactly 1."""
+    import transformers
+
     big_loss, big = one_trainer_step(tmp_path / "a", make(placement), batch=8, accum=1)
     acc_loss, acc = one_trainer_step(tmp_path / "b", make(placement), batch=2, accum=4)
-    # the reference: the mean token loss of the 8 samples in one plain forward
+    # the reference: the 8 samples' summed token loss in one plain forward, over the number of items Trainer
+    # counts: the scored (shifted) labels since transformers 5.2x, every label before (5.5 counts 101, not 93)
+    batch = collate(ragged_samples())
     ref = make(placement)
     with torch.no_grad():
-        want = ref(**collate(ragged_samples())).loss.item()
-    assert big_loss == pytest.approx(want, rel=1e-4)
+        scored = (batch["labels"][:, 1:] != -100).sum().item()
+        total = ref(**batch).loss.item() * scored
+    assert any(big_loss == pytest.approx(total / n, rel=1e-4) for n in (scored, (batch["labels"] != -100).sum()))
     assert acc_loss == pytest.approx(big_loss, rel=1e-4)  # was 4x too large before num_items_in_batch
+    _, llama_big = one_trainer_step(tmp_path / "c", stock_llama(), batch=8, accum=1)
+    _, llama_acc = one_trainer_step(tmp_path / "d", stock_llama(), batch=2, accum=4)
+    key = "model.embed_tokens.weight"
+    ratio = round((llama_acc[key].norm() / llama_big[key].norm()).item(), 3)
+    if transformers.__version__ == pinned_transformers():
+        assert ratio == 1.0
     for k in big:
-        assert torch.allclose(acc[k], big[k], rtol=1e-4, atol=1e-6), k
+        assert torch.allclose(acc[k], ratio * big[k], rtol=1e-4, atol=1e-6), k
     assert any(g.abs().max() > 0 for g in big.values())
 
 
