@@ -50,10 +50,10 @@ class HybridNormPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
-        self.model = TransformerLM(config.model_config())
+        self.model = TransformerLM(self.config.model_config())
         for block in self.model.blocks:  # transformers' backends in the attention-kernel slot
             a = block.attn
-            block.attn.inner = HFKernel(config, a.n_heads, a.n_kv_heads, a.head_dim, a.layer_idx)
+            block.attn.inner = HFKernel(self.config, a.n_heads, a.n_kv_heads, a.head_dim, a.layer_idx)
         self.gradient_checkpointing = False  # set by gradient_checkpointing_enable(); per-block, non-reentrant
         self.post_init()
 
