@@ -28,7 +28,7 @@ _SIZE_FIELDS = {"hidden_size": "d_model", "intermediate_size": "ffn_hidden_size"
 
 class HybridNormConfig(PretrainedConfig):
     """``hybridnorm``: the :class:`hybridnorm.ModelConfig` as a dict (placement as data); the standard
-    size fields, where given, override it. ``placement`` names a preset or grammar name for a config built
+    size fields and ``tie_word_embeddings``, where given, override it. ``placement`` names a preset or grammar name for a config built
     from standard fields alone (``HybridNormConfig(hidden_size=64, ..., placement="hybridnorm_star")``); a
     config with a ``hybridnorm`` dict keeps the dict's placement and shows its name here."""
 
@@ -49,14 +49,19 @@ class HybridNormConfig(PretrainedConfig):
     placement: str | None = None
     attention_dropout: float = 0.0
     use_cache: bool = True
-    # TransformerLM ties the head itself (no lm_head module when tied): transformers has nothing to tie, and
-    # this flag only reports what the ModelConfig says
+    # TransformerLM ties the head itself (no lm_head module when tied), so transformers has nothing to tie;
+    # like the size fields, this one is the truth for ModelConfig.tie_embeddings
     tie_word_embeddings: bool | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        if self.hybridnorm and self.tie_word_embeddings is not None \
+                and self.tie_word_embeddings != self.hybridnorm.get("tie_embeddings", ModelConfig.tie_embeddings):
+            # config.json of exports before 2026-11 always said false (that class never let transformers tie):
+            # where the two disagree on reading, the dict, which built the weights, is the truth
+            self.tie_word_embeddings = None
         self._sync()
         super().__post_init__(**kwargs)
 
@@ -67,8 +72,8 @@ class HybridNormConfig(PretrainedConfig):
             d = dict(self.hybridnorm)
         else:  # built from the standard fields alone: the ModelConfig defaults fill the rest
             d = {"placement": self.placement or ModelConfig.placement}
-            if self.tie_word_embeddings is not None:
-                d["tie_embeddings"] = self.tie_word_embeddings
+        if self.tie_word_embeddings is not None:
+            d["tie_embeddings"] = self.tie_word_embeddings
         for hf_name, name in _SIZE_FIELDS.items():
             if getattr(self, hf_name, None) is not None:
                 d[name] = getattr(self, hf_name)
