@@ -28,9 +28,10 @@ _SIZE_FIELDS = {"hidden_size": "d_model", "intermediate_size": "ffn_hidden_size"
 
 class HybridNormConfig(PretrainedConfig):
     """``hybridnorm``: the :class:`hybridnorm.ModelConfig` as a dict (placement as data); the standard
-    size fields and ``tie_word_embeddings``, where given, override it. ``placement`` names a preset or grammar name for a config built
-    from standard fields alone (``HybridNormConfig(hidden_size=64, ..., placement="hybridnorm_star")``); a
-    config with a ``hybridnorm`` dict keeps the dict's placement and shows its name here."""
+    size fields and ``tie_word_embeddings``, where given, override it. ``placement`` names a preset or
+    grammar name for a config built from standard fields alone (``HybridNormConfig(hidden_size=64, ...,
+    placement="hybridnorm_star")``); a config with a ``hybridnorm`` dict keeps the dict's placement and
+    shows its name here."""
 
     model_type = MODEL_TYPE
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "cache"]
