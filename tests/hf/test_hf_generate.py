@@ -154,3 +154,37 @@ def test_generate_from_inputs_embeds_and_returned_hidden_states() -> None:
     assert len(res.attentions) == 3 and all(len(step) == L for step in res.attentions)
     assert res.attentions[0][0].shape == (1, 4, 6, 6) and res.attentions[1][0].shape == (1, 4, 1, 7)
     assert res.hidden_states[0][0].shape == (1, 6, 32) and res.hidden_states[1][-1].shape == (1, 1, 32)
+
+
+@torch.no_grad()
+def test_generate_continues_from_the_cache_a_generate_returned() -> None:
+    """Scattered padding as transformers' own tests draw it: 3 tokens, then 1 more from the returned cache,
+    equals 4 tokens at once."""
+    hf, _ = pair("hybridnorm_star")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(1, V, (3, 7), generator=g)
+    mask = (torch.rand(3, 7, generator=g) > 0.3).long()
+    mask[:, -1] = 1
+    kw = dict(do_sample=False, return_dict_in_generate=True, eos_token_id=None)
+    full = hf.generate(x, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, **kw)
+    part = hf.generate(x, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, **kw)
+    longer = torch.nn.functional.pad(mask, (0, part.sequences.shape[1] - 7), value=1)
+    cont = hf.generate(part.sequences, attention_mask=longer, max_new_tokens=1, min_new_tokens=1,
+                       **{CACHE_FIELD: getattr(part, CACHE_FIELD)}, **kw)
+    assert torch.equal(cont.sequences, full.sequences)
+
+
+@torch.no_grad()
+def test_the_old_cache_name_still_works_and_sdpa_returns_no_attention_weights() -> None:
+    import warnings
+
+    hf, ours = pair()
+    x = prompts(1, 8)
+    first = hf(x[:, :5], use_cache=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest = hf(x[:, 5:], past_key_values=getattr(first, CACHE_FIELD))
+    assert (rest.logits - ours(x)[:, 5:]).abs().max() < 1e-5
+    if CACHE_FIELD == "cache":  # transformers >= 5.23 renamed it and warns for the old name, as we do
+        assert any("`past_key_values` is deprecated" in str(w.message) for w in caught)
+    assert hf(x, output_attentions=True).attentions == ()  # sdpa computes no weights: eager does

@@ -17,21 +17,32 @@ builder (2-D padding masks, 4-D masks, static-cache lengths, packed sequences), 
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from hybridnorm.hf.attention import CacheView, HFKernel
 from hybridnorm.hf.compat import CACHE_FIELD, causal_mask, with_cache
 from hybridnorm.hf.configuration import MODEL_TYPE, HybridNormConfig
 from hybridnorm.hf.loss import causal_lm_loss
+from hybridnorm.nn.block import Block
 from hybridnorm.nn.model import TransformerLM
 
 __all__ = ["MODEL_TYPE", "HybridNormConfig", "HybridNormForCausalLM", "HybridNormModel", "register"]
+
+
+class HybridNormDecoderLayer(Block, GradientCheckpointingLayer):
+    """Our :class:`~hybridnorm.nn.block.Block` (the same computation and weights) as a transformers
+    ``GradientCheckpointingLayer``: ``gradient_checkpointing_enable()`` checkpoints each one the way it
+    checkpoints Llama's layers."""
 
 
 class HybridNormPreTrainedModel(PreTrainedModel):
@@ -40,7 +51,7 @@ class HybridNormPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _no_split_modules: ClassVar[list[str]] = ["Block"]
+    _no_split_modules: ClassVar[list[str]] = ["HybridNormDecoderLayer"]
     _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values", "cache"]
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -50,12 +61,19 @@ class HybridNormPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
-        self.model = TransformerLM(self.config.model_config())
+        self.model = TransformerLM(self.config.model_config(), HybridNormDecoderLayer)
         for block in self.model.blocks:  # transformers' backends in the attention-kernel slot
             a = block.attn
             block.attn.inner = HFKernel(self.config, a.n_heads, a.n_kv_heads, a.head_dim, a.layer_idx)
-        self.gradient_checkpointing = False  # set by gradient_checkpointing_enable(); per-block, non-reentrant
+        self.gradient_checkpointing = False  # set with the layers' by gradient_checkpointing_enable()
         self.post_init()
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Any = checkpoint,
+                                    *args: Any, **kwargs: Any) -> None:
+        # always non-reentrant, whatever use_reentrant asks: an MoE block's router losses leave it beside its
+        # output, and only the non-reentrant checkpoint gives them gradients (the numbers are the same)
+        func = functools.partial(gradient_checkpointing_func, use_reentrant=False)
+        super()._set_gradient_checkpointing(enable, func, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: torch.nn.Module) -> None:
@@ -79,8 +97,7 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         use_cache = cfg.use_cache if use_cache is None else use_cache
-        checkpointing = self.gradient_checkpointing and self.training
-        if checkpointing:  # a block recomputed in backward would write its keys into the cache a second time
+        if self.gradient_checkpointing and self.training:  # a recomputed block would write its keys twice
             use_cache = False
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -100,17 +117,17 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         kernels = [b.attn.inner for b in lm.blocks]
         attentions: list[Tensor] | None = [] if output_attentions else None
         hidden: list[Tensor] | None = [] if output_hidden_states else None
-        was_checkpointing, lm.activation_checkpointing = lm.activation_checkpointing, checkpointing
         for k in kernels:
             k.record = attentions
         try:
             x = lm.trunk(x, cos, sin, CacheView(cache) if cache is not None else None, mask, hidden)  # (B, T, d)
         finally:
-            lm.activation_checkpointing = was_checkpointing
             for k in kernels:
                 k.record = None
         if hidden is not None:
             hidden.append(x)  # as in transformers: the last entry is the final-normed output
+        if attentions is not None:  # only the eager backend computes the weights (as in transformers: none else)
+            attentions = [w for w in attentions if w is not None]
         return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=tuple(hidden) if hidden is not None else None,
                                        attentions=tuple(attentions) if attentions is not None else None,
                                        **with_cache(cache))
@@ -126,8 +143,11 @@ def _default_positions(T: int, attention_mask: Tensor | None, cache: Any, device
 
 
 def _cache_arg(cache: Any, kwargs: dict[str, Any]) -> Any:
-    """The KV cache, passed as ``cache`` (transformers >= 5.23) or ``past_key_values`` (earlier)."""
+    """The KV cache, passed as ``cache`` (transformers >= 5.23) or ``past_key_values`` (earlier, and still
+    accepted by those releases with a deprecation warning, as their own models do)."""
     legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None and CACHE_FIELD == "cache":
+        warnings.warn("`past_key_values` is deprecated: pass the KV cache as `cache`", FutureWarning, stacklevel=3)
     return cache if cache is not None else legacy
 
 

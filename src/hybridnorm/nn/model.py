@@ -24,7 +24,9 @@ from hybridnorm.nn.rope import rope_tables
 
 
 class TransformerLM(nn.Module):
-    def __init__(self, config) -> None:  # config: a hybridnorm.config.ModelConfig (nn does not import config)
+    def __init__(self, config, block_class: type[Block] = Block) -> None:
+        # config: a hybridnorm.config.ModelConfig (nn does not import config). block_class: Block, or a subclass
+        # that adds behaviour around the same computation (the HF classes' transformers checkpointing layer)
         super().__init__()
         config.validate()
         self.config = config
@@ -37,7 +39,7 @@ class TransformerLM(nn.Module):
         self.embed = nn.Embedding(V, d)
         self.embed_norm = norm() if placement.embed_norm else None
         self.blocks = nn.ModuleList(
-            Block(config, spec, layer) for layer, spec in enumerate(placement.blocks(config.n_layers)))
+            block_class(config, spec, layer) for layer, spec in enumerate(placement.blocks(config.n_layers)))
         self.final_norm = norm() if placement.final_norm else None
         self.lm_head = None if config.tie_embeddings else nn.Linear(d, V, bias=False)
         self.register_buffer("rope_cos", None, persistent=False)  # (max_seq_len, D/2), set by reset_rope
