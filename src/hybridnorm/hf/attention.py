@@ -3,7 +3,7 @@
 :class:`hybridnorm.nn.attention.Attention` computes q, k, v (with the placement's Q/K/V norms and RoPE) and
 hands them to a parameter-free kernel module, ``Attention.inner``, and to ``cache.update``. The HF classes
 replace ``inner`` with :class:`HFKernel`, which calls the function that ``config._attn_implementation``
-names in transformers' ``ALL_ATTENTION_FUNCTIONS`` ("sdpa", "flash_attention_2", "flex_attention", ...,
+names in transformers' ``ALL_ATTENTION_FUNCTIONS`` ("sdpa", or any backend the class allows,
 or :func:`eager_attention`, the plain equation, which also returns the attention weights), and wrap any
 transformers :class:`~transformers.Cache` (dynamic, static, offloaded, ...) in :class:`CacheView`. So the
 placement's math is the training code's, and masks, caches and kernels are transformers' own.

@@ -6,7 +6,7 @@ a TransformerLM state dict under a ``model.`` prefix (the names every export has
 math is the code that trained it. What a transformers model owes its callers comes from transformers' own
 parts, plugged in at our seams (:mod:`hybridnorm.hf.attention`): its caches (dynamic, static, ...), its mask
 builder (2-D padding masks, 4-D masks, static-cache lengths, packed sequences), its attention backends
-(``attn_implementation``: eager, sdpa, flash, flex), its loss conventions (``num_items_in_batch``,
+(``attn_implementation``: eager, sdpa), its loss conventions (``num_items_in_batch``,
 ``shift_labels``). Importing ``hybridnorm.hf`` registers the classes with the Auto factories::
 
     import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
@@ -53,10 +53,11 @@ class HybridNormPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["HybridNormDecoderLayer"]
     _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values", "cache"]
+    # eager and sdpa are the backends tested here; flash attention needs a GPU and flex attention inductor's
+    # C++ toolchain on CPU, neither at hand, so transformers refuses them for this class rather than run untested
     _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
     _can_compile_fullgraph = True
 
     def __init__(self, config: HybridNormConfig) -> None:
