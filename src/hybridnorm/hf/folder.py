@@ -23,7 +23,6 @@ the folder itself first, and only what passes goes on:
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 from hybridnorm.hf import stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
@@ -48,6 +48,8 @@ OWN_AUTO_MAP = {"AutoConfig": "modeling_hybridnorm.HybridNormConfig",
 # Dropped, not refused: they choose kernels (possibly hub-hosted code), never the numbers we copy out.
 IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation", "_attn_implementation",
                        "_attn_implementation_internal", "_experts_implementation_internal")
+# JSON files of a folder that from_pretrained reads on its own (generation defaults)
+SIDE_JSON = ("generation_config.json",)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -105,11 +107,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
         if file.stat().st_size > CONFIG_MAX_BYTES:
             raise ConfigError(f"{file} is {file.stat().st_size:,} bytes; a model config is at most "
                               f"{CONFIG_MAX_BYTES:,}")
-        raw = json.loads(file.read_bytes().decode("utf-8"))
+        raw = plain_data.loads(file.read_bytes())
     except ConfigError:
         raise
-    except (OSError, ValueError, RecursionError) as e:  # unreadable, not UTF-8, not JSON, nested too deep
+    except OSError as e:
         raise ConfigError(f"cannot read {file}: {one_line(e)}") from None
+    except ValueError as e:  # not UTF-8, not JSON, nested too deep
+        raise ConfigError(f"{file}: {plain_data.describe_error(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object at the top, got {type(raw).__name__}")
     model_type = raw.get("model_type")
@@ -128,6 +132,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{file}: {where} is set; hybridnorm reads unquantized weights only")
     for key in IMPLEMENTATION_KEYS:
         cfg.pop(key, None)
+    for name in SIDE_JSON:  # transformers parses these itself: through our reader first, naming the file
+        side = Path(path) / name
+        if side.is_file():
+            try:
+                plain_data.loads(side.read_bytes())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{side}: {plain_data.describe_error(e)}") from None
     return cfg
 
 
@@ -159,9 +170,11 @@ class Weights:
 def _index_files(index: Path, suffix: str) -> list[Path]:
     """The shard files a ``*.index.json`` names, each a plain file name inside the folder."""
     try:
-        data = json.loads(index.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
+        data = plain_data.loads(index.read_bytes())
+    except OSError as e:
         raise ConfigError(f"cannot read {index}: {one_line(e)}") from None
+    except ValueError as e:
+        raise ConfigError(f"{index}: {plain_data.describe_error(e)}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{index}: expected a non-empty 'weight_map' object")

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.preflight import check_writable_dir
 
@@ -46,7 +47,7 @@ def check_out_dir(run_dir: Path) -> None:
 def _holder(fd: int) -> str:
     """Who holds the lock, from what it wrote into the file (it may not have written yet)."""
     try:
-        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        info = plain_data.loads(os.pread(fd, 4096, 0))
         return f"pid {info['pid']} on host {info['host']}, running since {info['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that is just starting (no pid recorded yet)"
