@@ -48,11 +48,15 @@ def _join_spaced_overrides(argv: list[str], own_options: set[str]) -> list[str]:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.train.preflight import check_output_folder
     from hybridnorm.train.stop import process_signals
     from hybridnorm.train.trainer import train
 
+    cfg = _config(args, extra)
+    # the trainer applies the same rule to out_dir alone; here it also knows the corpus folder it reads
+    check_output_folder(cfg.out_dir, "out_dir (--out)", may_hold=("run",), inputs=[cfg.data.source])
     with process_signals():  # a repeated SIGINT/SIGTERM cannot break a stop's save or its exit 130
-        result = train(_config(args, extra), resume=args.resume)
+        result = train(cfg, resume=args.resume)
     if result.diverged:
         return EXIT_DIVERGED
     if result.interrupted:

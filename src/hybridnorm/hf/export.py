@@ -12,6 +12,9 @@ foreign folder may hold before ``transformers`` reads it (no code, no pickles) i
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
-from hybridnorm.train.preflight import check_fits, check_run_fits, check_writable_dir
+from hybridnorm.train.preflight import check_fits, check_output_folder, check_run_fits
 from hybridnorm.train.run import Run, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,9 +82,7 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
         raise ConfigError(f"--arch={arch!r} is not one of {', '.join(ARCH_CHOICES)}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    out = check_writable_dir(out_dir, "export folder")
-    if out.exists() and _non_empty(out):
-        raise ConfigError(f"export folder {out} exists and is not empty")
+    out = check_output_folder(out_dir, "export folder", inputs=[source])
     mc = model.config
     match, reason = stock.match_stock(mc)
     if arch not in ("auto", MODEL_TYPE) and (match is None or match.model_type != arch):
@@ -125,17 +126,10 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
     return ExportResult(out, class_name, is_stock, reason)
 
 
-def _non_empty(path: Path) -> bool:
-    try:
-        return any(path.iterdir())
-    except OSError as e:
-        raise ConfigError(f"cannot list {path}: {folder.one_line(e)}") from None
-
-
 def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype: str = "float32") -> ExportResult:
     """Export a run folder (its newest good checkpoint), one ``checkpoints/step_*`` folder or a local HF
     folder (to another architecture or dtype)."""
-    check_writable_dir(out_dir, "export folder")  # before minutes of loading, not after
+    check_output_folder(out_dir, "export folder", inputs=[path])  # before minutes of loading, not after
     if is_hf_folder(path):
         run = load_hf_run(path)
     else:
@@ -178,9 +172,7 @@ def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM
 def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     """A local HF folder as a :class:`~hybridnorm.train.run.Run` (model, tokenizer, a TrainConfig whose
     tokenizer is the folder's), so ``hybridnorm generate|eval`` take HF folders as they take runs."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
+    path = _hf_folder(path)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise ConfigError(f"{path} has no tokenizer.json (a fast tokenizer is needed to use the model)")
@@ -197,22 +189,40 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer)
 
 
+def _hf_folder(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
 def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False) -> Path:
     """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000).
     ``allow_pickle``: read pickle weights (only) with ``torch.load(weights_only=True)``; the run folder
     written holds safetensors, so nothing downstream unpickles again."""
-    out = check_writable_dir(out_dir, "run folder (--out)")
-    if (out / "checkpoints").exists():
-        raise ConfigError(f"{out} already holds a run (checkpoints/); choose a new folder")
+    out = check_output_folder(out_dir, "run folder (--out)", inputs=[_hf_folder(path)])  # input named first
     run = load_hf_run(path, allow_pickle=allow_pickle)
     cfg = run.config
+    # written into a hidden sibling and renamed into place (over an empty folder too): a failed or
+    # interrupted import leaves no half run behind, and a folder that filled up meanwhile is not touched
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        run.tokenizer.save(out)
+        run.tokenizer.save(tmp)
         cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
-        (out / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+        (tmp / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
-        save_checkpoint(out / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
+        save_checkpoint(tmp / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a run folder gets the usual mode
+        os.rename(tmp, out)  # refused by the OS if out became non-empty meanwhile
     except OSError as e:
         raise ConfigError(f"run folder {out}: cannot write: {folder.one_line(e)}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; removed on any failure
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

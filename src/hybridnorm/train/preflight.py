@@ -22,6 +22,13 @@ can be read (other systems, other devices) the check is skipped rather than gues
 parent a folder, and the nearest existing one writable, proven by creating and deleting a probe file (a
 read-only file system, a full quota); a folder whose permission bits deny writing to everyone is refused
 even for root, who could write anyway, because read-only is what its owner asked for.
+
+**One rule for what an output folder may already hold** (:func:`check_output_folder`), shared by every
+command that writes a run or a Hugging Face folder (``train --out``, ``import --out``, ``export --to hf``):
+it may be missing or empty; a non-empty folder only if it is of the command's own kind (a run folder for
+``train``, which resumes or refuses there by its own rules; nothing for ``import`` and ``export``, which
+make new folders); and never the command's input or a folder inside it. Files a user keeps there (their own
+``config.yaml``, a source model's ``tokenizer.json``) are therefore never overwritten.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +187,50 @@ def check_writable_dir(path: str | Path, what: str = "output folder") -> Path:
     except OSError as e:  # EACCES, EROFS, EDQUOT, ENOSPC: say which, on one line
         raise ConfigError(f"{what} {path}: cannot write in {existing}: {e.strerror or e}") from None
     return path
+
+
+# What makes a folder a run folder: what only the trainer, ``import`` or a grid write (the lock from the
+# trainer's first moment on). Not config.yaml: users keep their own configs under that name.
+RUN_MARKERS = ("checkpoints", "metrics.jsonl", "point.json", "train.lock")
+
+
+def folder_kind(path: Path) -> str:
+    """"missing", "empty", "run" (any of :data:`RUN_MARKERS`) or "other" (a non-empty folder of anything else)."""
+    if not path.exists():
+        return "missing"
+    try:
+        entries = [p.name for p in path.iterdir()]
+    except OSError as e:
+        raise ConfigError(f"cannot list {path}: {e.strerror or e}") from None
+    if not entries:
+        return "empty"
+    return "run" if any(m in entries for m in RUN_MARKERS) else "other"
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_output_folder(path: str | Path, what: str, *, may_hold: tuple[str, ...] = (),
+                        inputs: Iterable[str | Path | None] = ()) -> Path:
+    """The one output-folder rule (module docstring): ConfigError naming ``path`` (as ``what``, e.g.
+    "--out") unless it is writable (:func:`check_writable_dir`), is none of ``inputs`` and lies inside none
+    of them, and is missing, empty, or of a kind in ``may_hold`` (``"run"``). Creates nothing."""
+    path = check_writable_dir(path, what)
+    here = path.resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(given).resolve()
+        if source.is_dir() and _inside(here, source):
+            raise ConfigError(f"{what} {path} is {'the input folder' if here == source else 'inside the input folder'}"
+                              f" {given}: the command never writes into what it reads; choose another folder")
+    kind = folder_kind(path)
+    if kind in ("missing", "empty") or kind in may_hold:
+        return path
+    names = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} entries)" if len(names) > 4 else "")
+    allowed = "a new or empty folder" + ("" if not may_hold else f" or a {' or '.join(may_hold)} folder")
+    held = "files of its own" if kind == "other" else f"a {kind}"
+    raise ConfigError(f"{what} {path} is not empty: it holds {held} ({shown}) and needs to be {allowed}; "
+                      "nothing there was changed, choose another folder")
