@@ -36,6 +36,7 @@ from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 from hybridnorm.hf import stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
+from hybridnorm.train import tensor_check
 
 CONFIG_MAX_BYTES = 16 << 20  # real configs are a few KB; a bigger file is not worth parsing
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -230,6 +231,10 @@ def load_pickle_state_dict(files: list[Path]) -> dict[str, Tensor]:
         if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in sd.items()):
             raise ConfigError(f"{f} is not a state dict (a mapping of names to tensors): found "
                               f"{type(sd).__name__}")
+        for k, v in sd.items():
+            if not v.is_floating_point():
+                raise ConfigError(f"{f}: tensor {k!r} is {v.dtype}, but every weight of the model is floating point")
+        tensor_check.check_finite(sd.items(), str(f))
         out.update(sd)
     return out
 
@@ -242,6 +247,12 @@ def load_model(path: str | Path, config: Any, weights: Weights) -> Any:  # -> tr
     would import a model that is silently not the folder's."""
     path = Path(path)
     cls = model_class(config.model_type)
+    if weights.kind == "safetensors":  # the headers' claims and every value, before transformers reads them
+        dtype = getattr(config, "dtype", None)
+        tensor_check.check_header_dtypes(weights.files, tensor_check.expected_dtype(
+            None if dtype is None else str(dtype), f"{path / 'config.json'}"))
+        for f in weights.files:
+            tensor_check.check_file_finite(f)
     common: dict[str, Any] = dict(config=config, dtype=torch.float32, trust_remote_code=False,
                                   output_loading_info=True, ignore_mismatched_sizes=True)  # report, not raise
     try:
