@@ -13,7 +13,7 @@ import sys
 import typing
 import warnings
 
-from hybridnorm.config_base import parse_text
+from hybridnorm.config_base import is_utf8, parse_text
 from hybridnorm.errors import ConfigError
 
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
@@ -134,6 +134,8 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.train.load import load_run
 
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed, as_options=True)  # pre-load
+    if not is_utf8(args.prompt):
+        raise ConfigError(f"--prompt={args.prompt!r} is not valid UTF-8 text: pass the prompt as UTF-8")
     run = load_run(args.checkpoint)
     gen = torch.Generator().manual_seed(args.seed)
     ids = run.tokenizer.encode(args.prompt) or [run.tokenizer.eot_id]

@@ -126,12 +126,24 @@ def coerce(where: str, value: Any, tp: Any) -> Any:
             return int(value)
         raise ConfigError(f"{where}={value!r} must be an integer")
     if tp in (bool, str):
+        if isinstance(value, str) and not is_utf8(value):  # bytes that are not UTF-8, from argv or a path
+            raise ConfigError(f"{where}={value!r} is not valid UTF-8 text")
         if isinstance(value, tp):
             return value
         raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
     if tp is Any or tp is dict or typing.get_origin(tp) is dict:
         return value
     raise TypeError(f"config field {where}: unsupported type hint {tp!r}")  # a bug in a config class
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: Python decodes command-line bytes that are not UTF-8 into lone
+    surrogates, which no file (config.yaml) or tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_bounds(where: str, value: Any, bounds: dict[str, float]) -> None:

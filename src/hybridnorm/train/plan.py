@@ -208,7 +208,8 @@ def _check_something_fits(opts: PlanOptions, fits: dict[str, tuple[int, int]], s
     if best == 0:
         need = min(states.values()) + one_seq_ckpt
         raise ConfigError(f"nothing fits: not one sequence of --seq-len={opts.seq_len} fits in "
-                          f"--gpu-mem={opts.gpu_mem:g} GiB per GPU ({budget / GIB:.2f} GiB usable after the {opts.headroom:.0%} headroom) under "
+                          f"--gpu-mem={opts.gpu_mem:g} GiB per GPU ({budget / GIB:.2f} GiB usable after the "
+                          f"{opts.headroom:.0%} headroom) under "
                           f"DDP or FSDP, even with activation checkpointing: it needs at least {need / GIB:.2f} GiB "
                           f"usable; raise --gpu-mem, add --gpus or lower --seq-len")
     if opts.micro_batch is not None and opts.micro_batch > best:

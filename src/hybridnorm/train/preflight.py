@@ -72,10 +72,18 @@ def param_count(mc: Any) -> int:
     return embed + L * (attn + ffn + norms) + 2 * 2 * d  # + embedding and final norms
 
 
+def rope_bytes(mc: Any) -> int:
+    """Bytes building the RoPE tables takes at its peak (``nn.rope.rope_tables``): float64 angles and their
+    cos or sin, then the two fp32 tables, (max_seq_len, head_dim / 2) each. Allocated whatever the weights,
+    so a huge ``model.max_seq_len`` alone can exhaust memory."""
+    return mc.max_seq_len * (mc.head_dim // 2) * (8 + 8 + 4 + 4) + 8 * mc.max_seq_len
+
+
 def estimate_bytes(mc: Any, *, training: bool, copies: int = 1) -> int:
-    """Bytes the model's parameters (and for training their gradients and AdamW state) occupy at least."""
+    """Bytes the model's parameters (and for training their gradients and AdamW state) and its RoPE tables
+    occupy at least."""
     per_param = TRAIN_BYTES_PER_PARAM if training else FP32_BYTES * copies
-    return param_count(mc) * per_param
+    return param_count(mc) * per_param + rope_bytes(mc)
 
 
 def _read_int(path: Path) -> int | None:
@@ -136,7 +144,7 @@ def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, c
     device = torch.device(device)
     need = estimate_bytes(mc, training=training, copies=copies)
     if training and shards > 1:
-        need = max(estimate_bytes(mc, training=False), -(-need // shards))
+        need = max(estimate_bytes(mc, training=False), -(-(need - rope_bytes(mc)) // shards) + rope_bytes(mc))
     free = available_bytes(device)
     if free is None or need <= free[0]:
         return
@@ -145,6 +153,11 @@ def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, c
            + (f" / {shards} FSDP shards, at least the whole fp32 model while it is built" if shards > 1 else "")
            if training else f"{n:,} parameters x {FP32_BYTES} bytes (fp32)" + (f" x {copies} copies while loading"
                                                                               if copies > 1 else ""))
+    rope = rope_bytes(mc)
+    if rope > need // 2:  # the tables, not the weights, are what cannot fit: name their field
+        raise ConfigError(f"model.max_seq_len={mc.max_seq_len}: {what} needs at least {_size(need)} on {device}, "
+                          f"{_size(rope)} of it for the RoPE tables of that many positions, but only "
+                          f"{_size(free[0])} is available ({free[1]}); use a smaller model.max_seq_len")
     raise ConfigError(f"{what} needs at least {_size(need)} on {device} ({how}; activations come on top) but only "
                       f"{_size(free[0])} is available ({free[1]}); use a smaller model (model.d_model / n_layers / "
                       "vocab) or a machine with more memory")
