@@ -56,8 +56,9 @@ def open_run(path: str | Path) -> Run:
                           "(a smaller tokenizer could not decode every id the model emits)")
     model = TransformerLM(cfg.model)
     # the model files' headers must claim the model's own dtype (fp32): load_weights checks names and shapes
-    check_header_dtypes(sorted(ckpt.glob("model*.safetensors")), DTYPE_NAMES[next(model.parameters()).dtype])
+    files = sorted(ckpt.glob("model*.safetensors"))  # one file, or one per rank of a sharded save
+    check_header_dtypes(files, DTYPE_NAMES[next(model.parameters()).dtype])
     load_weights(ckpt, model)
-    check_finite(model.state_dict().items(), f"checkpoint {ckpt}")
+    check_finite(model.state_dict().items(), ", ".join(map(str, files)))
     model.eval()
     return Run(run_dir, ckpt, cfg, model, tokenizer)
