@@ -343,10 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     words = sys.argv[1:] if argv is None else list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
+    overrides: list[str] = []
     if command in ("train", "compare", "sweep"):
-        words = _join_spaced_overrides(words, parser.own_options[command])
+        own = parser.own_options[command]
+        words = _join_spaced_overrides(words, own)
+        # --key=value overrides bypass argparse, which takes a word with a space in it ("--data.source=/my
+        # data") for a positional argument, i.e. for the config file
+        overrides = [w for w in words if w.startswith("--") and "=" in w and w.partition("=")[0] not in own]
+        words = [w for w in words if w not in overrides]
     try:
         args, extra = parser.parse_known_args(words)
+        extra = [*overrides, *extra]
         if extra and args.command not in ("train", "compare", "sweep"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except ConfigError as e:
