@@ -12,9 +12,6 @@ foreign folder may hold before ``transformers`` reads it (no code, no pickles) i
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +27,7 @@ from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
-from hybridnorm.train.preflight import check_fits, check_output_folder, check_run_fits
+from hybridnorm.train.preflight import check_fits, check_output_folder, check_run_fits, staged_folder
 from hybridnorm.train.run import Run, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,23 +103,21 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
             reason = f"--arch={MODEL_TYPE} asked for hybridnorm's own class ({reason})"
     hf = hf.to(DTYPES[dtype])
     cfg.dtype = DTYPES[dtype]
-    try:  # checked writable above; a disk that fills up or a folder changed meanwhile still fails here
-        out.mkdir(parents=True, exist_ok=True)
-        hf.save_pretrained(out)
+    # checked writable above; a disk that fills up fails here, leaving nothing (written aside, renamed at the end)
+    with staged_folder(out, "export folder") as tmp, folder.quiet_transformers():
+        hf.save_pretrained(tmp)
         if tokenizer is not None:
-            hf_tokenizer(tokenizer).save_pretrained(out)
+            hf_tokenizer(tokenizer).save_pretrained(tmp)
         if not is_stock:
-            (out / SHIM).write_text(
+            (tmp / SHIM).write_text(
                 "# hybridnorm's own HF class, for from_pretrained(..., trust_remote_code=True).\n"
                 "# Needs `pip install 'hybridnorm[hf]'`; `import hybridnorm.hf` registers it without this file.\n"
                 "from hybridnorm.hf.modeling import HybridNormConfig, HybridNormForCausalLM  # noqa: F401\n",
                 encoding="utf-8")
-        (out / "hybridnorm_export.json").write_text(json.dumps({
+        (tmp / "hybridnorm_export.json").write_text(json.dumps({
             "class": class_name, "stock": is_stock, "reason": reason,
             "placement": mc.resolved_placement().to_dict(), "source": source}, indent=1, default=str),
             encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"export folder {out}: cannot write: {folder.one_line(e)}") from None
     return ExportResult(out, class_name, is_stock, reason)
 
 
@@ -203,26 +198,10 @@ def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False)
     out = check_output_folder(out_dir, "run folder (--out)", inputs=[_hf_folder(path)])  # input named first
     run = load_hf_run(path, allow_pickle=allow_pickle)
     cfg = run.config
-    # written into a hidden sibling and renamed into place (over an empty folder too): a failed or
-    # interrupted import leaves no half run behind, and a folder that filled up meanwhile is not touched
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
-    try:
+    with staged_folder(out, "run folder") as tmp:  # all or nothing: no half run behind a failure
         run.tokenizer.save(tmp)
         cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
         (tmp / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
         save_checkpoint(tmp / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a run folder gets the usual mode
-        os.rename(tmp, out)  # refused by the OS if out became non-empty meanwhile
-    except OSError as e:
-        raise ConfigError(f"run folder {out}: cannot write: {folder.one_line(e)}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; removed on any failure
     return out
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

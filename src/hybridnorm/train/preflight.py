@@ -33,10 +33,12 @@ make new folders); and never the command's input or a folder inside it. Files a 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +220,25 @@ def folder_kind(path: Path) -> str:
     if not entries:
         return "empty"
     return "run" if any(m in entries for m in RUN_MARKERS) else "other"
+
+
+@contextlib.contextmanager
+def staged_folder(out: Path, what: str) -> Iterator[Path]:
+    """A hidden folder beside ``out`` to write into, renamed to ``out`` (a missing or empty folder) when the
+    block succeeds and removed when it fails: a failed or interrupted write leaves no half folder, and a
+    folder that someone filled meanwhile is not touched (the rename is refused)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700; the folder gets the usual mode
+        os.rename(tmp, out)
+    except OSError as e:
+        raise ConfigError(f"{what} {out}: cannot write: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; removed on any failure
 
 
 def _inside(path: Path, folder: Path) -> bool:
