@@ -1,7 +1,8 @@
 """One rule for output folders, generated over what a folder holds and where it lies: ``import --out``,
-``export --to hf`` and ``train --out`` refuse a non-empty folder that is not their own kind (a run folder,
-for ``train`` only) and any folder that is their input or inside it, with one ``error:`` line naming the
-folder, exit 2, and every file there byte-identical afterwards. A new or empty folder works."""
+``export --to hf``, ``train --out`` and ``compare --out`` refuse a non-empty folder that is not their own
+kind (a run folder for ``train``, a report folder for ``compare``) and any folder that is their input or
+inside it, with one ``error:`` line naming the folder, exit 2, and every file there byte-identical
+afterwards. A new or empty folder works."""
 
 from __future__ import annotations
 
@@ -36,11 +37,14 @@ def _argv(command: str, source: Path, out: Path, corpus: Path, cache: Path) -> l
         return ["import", str(source), "--out", str(out)]
     if command == "export":
         return ["export", str(source), "--to", "hf", str(out)]
+    if command == "compare":
+        return ["compare", "--placements", "pre,post", "--size", "tiny", "--max-steps", "1", "--data.tokenizer=bytes",
+                f"--data.cache_dir={cache}", f"--data.source={corpus}", "--device=cpu", "--out", str(out)]
     return ["train", "--size", "tiny", "--max-steps", "1", "--data.tokenizer=bytes", f"--data.cache_dir={cache}",
             f"--data.source={corpus}", "--device=cpu", "--out", str(out)]
 
 
-@pytest.mark.parametrize("command", ["import", "export", "train"])
+@pytest.mark.parametrize("command", ["import", "export", "train", "compare"])
 @PROPS
 @given(files=user_files, nested=st.booleans())
 def test_a_non_empty_folder_of_other_files_is_refused_and_kept(folders, corpus, cache_dir, tmp_path, capsys,

@@ -134,7 +134,7 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Tokenizer
     try:
         head = plain_data.loads(text)  # the depth limit, before the Rust parser sees the text
     except ValueError as e:
-        raise ConfigError(f"tokenizer file {file}: {plain_data.describe_error(e)}") from None
+        raise ConfigError(f"cannot read tokenizer file {file}: {plain_data.describe_error(e)}") from None
     if isinstance(head, dict) and head.get("type") == "hybridnorm-bytes":
         tok: Tokenizer = ByteTokenizer()
     else:

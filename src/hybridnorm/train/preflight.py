@@ -207,10 +207,13 @@ def check_writable_dir(path: str | Path, what: str = "output folder") -> Path:
 # What makes a folder a run folder: what only the trainer, ``import`` or a grid write (the lock from the
 # trainer's first moment on). Not config.yaml: users keep their own configs under that name.
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "point.json", "train.lock")
+# ... and a report folder of `compare`/`sweep`: its grid's runs and its summary
+REPORT_MARKERS = ("runs", "summary.md")
 
 
 def folder_kind(path: Path) -> str:
-    """"missing", "empty", "run" (any of :data:`RUN_MARKERS`) or "other" (a non-empty folder of anything else)."""
+    """"missing", "empty", "run" (any of :data:`RUN_MARKERS`), "report" (:data:`REPORT_MARKERS`) or "other"
+    (a non-empty folder of anything else)."""
     if not path.exists():
         return "missing"
     try:
@@ -219,7 +222,9 @@ def folder_kind(path: Path) -> str:
         raise ConfigError(f"cannot list {path}: {e.strerror or e}") from None
     if not entries:
         return "empty"
-    return "run" if any(m in entries for m in RUN_MARKERS) else "other"
+    if any(m in entries for m in RUN_MARKERS):
+        return "run"
+    return "report" if any(m in entries for m in REPORT_MARKERS) else "other"
 
 
 @contextlib.contextmanager
