@@ -99,3 +99,21 @@ def test_a_prompt_or_a_config_string_that_is_not_utf8_is_named(run, tmp_path, ca
     assert_refused(["generate", str(run), "--prompt", bad], capsys, ["--prompt=", "not valid UTF-8"], tmp_path)
     assert_refused(["train", "--size", "tiny", f"--data.source={bad}", "--out", str(tmp_path / "o")], capsys,
                    ["data.source=", "not valid UTF-8"], tmp_path)
+
+
+def test_in_a_real_process_raw_bytes_and_a_lying_file_are_one_line(run, tmp_path) -> None:
+    """The same promises from a real ``python -m hybridnorm.cli`` (argv bytes as a shell passes them, the
+    interpreter's own stderr encoding): exit 2, one ``error:`` line, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    cases = [[b"generate", os.fsencode(run), b"--prompt", b"in the \xff beginning"],
+             [b"import", os.fsencode(run), b"--out", os.fsencode(run)],  # a run is no HF folder: named first
+             [b"plan", b"--gpu-mem", b"0.001"]]
+    for argv in cases:
+        p = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *argv], capture_output=True, timeout=600)
+        err = p.stderr.decode("utf-8", "replace")
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (argv, err)
+        assert "Traceback" not in err
