@@ -40,7 +40,7 @@ def test_file_values_are_checked_even_when_size_replaces_the_section(tmp_path, c
 
 @FUZZ
 @given(value=values)
-def test_any_model_section_with_a_size_is_the_same_verdict_as_without(tmp_path_factory, value) -> None:
+def test_a_size_never_makes_a_wrong_model_section_right(tmp_path_factory, value) -> None:
     """--size may replace the file's model values but never makes a wrong one right."""
     f = tmp_path_factory.mktemp("cfg") / "cfg.yaml"
     import yaml
