@@ -1,7 +1,8 @@
 """Weight files whose header lies, or whose values are not finite, are refused before use, naming the file
 and the tensor: generated over which tensor, which false dtype (its shape rescaled so the byte count stays
 consistent, as a careful forger would), which value turns NaN or inf, and which command reads the file
-(import and generate of an HF folder; generate, eval and export of a run, manifest re-signed)."""
+(import and generate of an HF folder; generate, eval, export and train --resume of a run, manifest
+re-signed)."""
 
 from __future__ import annotations
 
@@ -87,11 +88,12 @@ def _target(kind: str, root: Path, hf: Path, run: Path) -> tuple[Path, list[str]
     ckpt = next((r / "checkpoints").glob("step_*"))
     argv = {"run generate": ["generate", str(r), "--max-new-tokens", "2"],
             "run eval": ["eval", str(r), "--text", str(r / "config.yaml")],
-            "run export": ["export", str(r), "--to", "hf", str(root / "exported")]}[kind]
+            "run export": ["export", str(r), "--to", "hf", str(root / "exported")],
+            "run resume": ["train", str(r / "config.yaml"), "--out", str(r), "--resume", "--max-steps", "2"]}[kind]
     return ckpt / "model.safetensors", argv, ckpt
 
 
-COMMANDS = ["hf import", "hf generate", "run generate", "run eval", "run export"]
+COMMANDS = ["hf import", "hf generate", "run generate", "run eval", "run export", "run resume"]
 
 
 @pytest.mark.parametrize("kind", COMMANDS)

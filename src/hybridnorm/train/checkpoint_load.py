@@ -20,8 +20,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from hybridnorm.errors import ConfigError
 from hybridnorm.train.checkpoint_format import CheckpointError, check_checkpoint
 from hybridnorm.train.checkpoint_shards import TensorReader, like, local_box
+from hybridnorm.train.tensor_check import DTYPE_NAMES, check_finite, check_header_dtypes
 
 
 @dataclass
@@ -50,6 +52,11 @@ def _weights_for(ckpt: Path, model: nn.Module, body: dict[str, Any]) -> dict[str
     ranks, shapes = _shards(body)
     f = _file_label(ckpt, "model", ranks)
     expected = model.state_dict()
+    dtype = next(iter(expected.values())).dtype
+    try:  # a header is the file's own claim: it must say the model's dtype (fp32 master weights), not I32...
+        check_header_dtypes(sorted(ckpt.glob("model*.safetensors")), DTYPE_NAMES.get(dtype))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     with TensorReader(ckpt, "model", ranks, shapes) as reader:
         if set(reader.index) != set(expected):
             missing, extra = sorted(set(expected) - set(reader.index)), sorted(set(reader.index) - set(expected))
@@ -59,7 +66,12 @@ def _weights_for(ckpt: Path, model: nn.Module, body: dict[str, Any]) -> dict[str
             if reader.shape(k) != tuple(v.shape):
                 raise CheckpointError(f"checkpoint file {f}: {k} has shape {reader.shape(k)}, "
                                       f"the model expects {tuple(v.shape)} (vocab or size mismatch?)")
-        return {k: like(reader.read(k, *local_box(v)), v) for k, v in expected.items()}
+        local = {k: reader.read(k, *local_box(v)) for k, v in expected.items()}  # this process's parts
+    try:  # ...and hold finite values: a NaN or inf weight poisons every output
+        check_finite(local.items(), f)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return {k: like(local[k], v) for k, v in expected.items()}
 
 
 def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any]) -> dict[str, Any]:
