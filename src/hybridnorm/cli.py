@@ -14,9 +14,9 @@ import typing
 import warnings
 
 from hybridnorm.config_base import parse_text
-from hybridnorm.errors import ConfigError
+from hybridnorm.errors import CollectiveError, ConfigError
 
-EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def _config(args: argparse.Namespace, extra: list[str]):  # -> TrainConfig (imported lazily: fast --help)
@@ -359,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, whatever the message
         return EXIT_BAD_INPUT
+    except CollectiveError as e:  # a late or lost rank under torchrun
+        if args.debug:
+            raise
+        print(f"error: {e}; resume from the newest complete checkpoint with --resume", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted: checkpoints are saved; run the same command again to continue", file=sys.stderr)
         return EXIT_INTERRUPTED
