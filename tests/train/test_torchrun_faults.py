@@ -114,3 +114,25 @@ def test_a_rank_killed_mid_step_ends_the_job_then_it_resumes_from_the_newest_che
                              str(out), "--resume"), kjv_cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {newest}" in resumed.stderr
+
+
+def test_a_lock_rank_0_cannot_take_fails_every_rank_at_once(kjv_cache, tmp_path):
+    """rank 0 alone claims the run folder; when another trainer holds it, every rank learns so and stops
+    with an error line (DDP's other ranks used to wait for rank 0 until torchrun tore them down)."""
+    import subprocess
+
+    out, log = tmp_path / "R", tmp_path / "log"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hybridnorm.train.lock import "
+                               "claim_run_dir\nwith claim_run_dir(sys.argv[1]):\n print('held', flush=True); "
+                               "time.sleep(600)", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = start(torchrun("train", "--size", "tiny", "--parallel=ddp", "--max-steps", "10", "--out", str(out)),
+                     kjv_cache, log)
+        assert _end(proc, 120) < 120
+    finally:
+        holder.kill()
+    errors = sorted(line for line in log.read_text().splitlines() if line.startswith("error:"))
+    assert len(errors) == 2, log.read_text()[-3000:]
+    assert f"pid {holder.pid}" in " ".join(errors)
+    assert any(f"rank 1 of 2: claiming out_dir={out} failed on another rank" in e for e in errors)

@@ -106,6 +106,16 @@ def all_reduce_max(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
+def agree(failed: BaseException | None, d: Dist, what: str) -> None:
+    """Every rank learns whether ``what`` failed on any rank, and then all raise: the ranks where it failed
+    their own error, the others a :class:`ConfigError` pointing to it. So a failure on one rank (rank 0's lock
+    or save) is the same collective on every rank, never one rank gone while the others wait for it."""
+    if all_reduce_max(torch.tensor(float(failed is not None)), d).item() > 0:
+        if failed is not None:
+            raise failed
+        raise ConfigError(f"rank {d.rank} of {d.world_size}: {what} failed on another rank (its error says why)")
+
+
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()

@@ -20,6 +20,7 @@ is checkpointed, so a resumed run skips exactly the same steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,11 +47,11 @@ from hybridnorm.train.checkpoint import (
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import (
     Dist,
+    agree,
     all_reduce_max,
     all_reduce_mean,
     barrier,
     collective_error,
-    current_dist,
     init_distributed,
     resolve_device,
 )
@@ -129,19 +130,26 @@ def _check_run_dir(run_dir: Path, resume: bool, d: Dist) -> ResumePoint:
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> TrainResult:
     """Train ``cfg`` into ``cfg.out_dir``, which is checked and locked first (one trainer per folder)."""
     cfg.validate()
-    with claim_run_dir(cfg.out_dir, enabled=int(os.environ.get("RANK", "0")) == 0):  # rank 0 writes the folder
-        try:
-            return _train(cfg, resume=resume, quiet=quiet)
-        except RuntimeError as e:  # a late or lost rank: one error naming this rank and the cause
-            failed = collective_error(e, current_dist(), cfg.dist_timeout)
-            if failed is None:
-                raise
-            raise failed from e
-
-
-def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
     d = init_distributed(device, cfg.dist_timeout)
+    with contextlib.ExitStack() as held:
+        failed = None
+        try:
+            if d.is_main:  # rank 0 writes the folder; the others learn whether it could claim it
+                held.enter_context(claim_run_dir(cfg.out_dir))
+        except ConfigError as e:
+            failed = e
+        try:
+            agree(failed, d, f"claiming out_dir={cfg.out_dir}")
+            return _train(cfg, device, d, resume=resume, quiet=quiet)
+        except RuntimeError as e:  # a late or lost rank: one error naming this rank and the cause
+            lost = collective_error(e, d, cfg.dist_timeout)
+            if lost is None:
+                raise
+            raise lost from e
+
+
+def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, quiet: bool) -> TrainResult:
     if device.type == "cpu" and d.enabled:  # share the cores between the local processes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     run_dir = Path(cfg.out_dir)
@@ -218,8 +226,12 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     def save() -> None:
         state.data = batches.state_dict()
         state.extra["spike_detector"] = spikes.state_dict()
-        save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last, d)  # FSDP: every rank writes
-        barrier(d)
+        failed = None
+        try:  # FSDP: every rank writes (and agrees inside); DDP: rank 0 alone, so the others must learn its fate
+            save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last, d)
+        except ConfigError as e:
+            failed = e
+        agree(failed, d, f"saving the checkpoint of step {state.step}")
 
     def collects(n: int) -> bool:  # a diagnostics step, decided alike on every rank (diag runs on rank 0)
         return cfg.diagnostics.enabled and (n == 1 or n % cfg.diagnostics.every == 0)
