@@ -48,11 +48,9 @@ def _join_spaced_overrides(argv: list[str], own_options: set[str]) -> list[str]:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
-    from hybridnorm.train.stop import process_signals
     from hybridnorm.train.trainer import train
 
-    with process_signals():  # a repeated SIGINT/SIGTERM cannot break a stop's save or its exit 130
-        result = train(_config(args, extra), resume=args.resume)
+    result = train(_config(args, extra), resume=args.resume)  # under main's process_signals
     if result.diverged:
         return EXIT_DIVERGED
     if result.interrupted:
@@ -334,9 +332,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     words = sys.argv[1:] if argv is None else list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
+    if command != "train":
+        return _main(words, command, argv)
+    from hybridnorm.train.stop import process_signals  # stdlib only: installed before torch is imported
+
+    # SIGINT/SIGTERM from here on: a stop at start-up is "interrupted:" and 130, a stop in the loop saves
+    # first, and a repeated signal cannot break either or the exit 130 after it
+    with process_signals():
+        return _main(words, command, argv)
+
+
+def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
+    parser = build_parser()
     if command in ("train", "compare", "sweep"):
         words = _join_spaced_overrides(words, parser.own_options[command])
     try:
