@@ -99,8 +99,10 @@ class TokenBatches:
         """The position at an optimizer-step boundary (where checkpoints are taken)."""
         if self.micro:
             raise RuntimeError(f"data state asked {self.micro} micro-batches into a step of {self.grad_accum}")
+        # per_step=1 marks global_batch and step as counted per optimizer step; a state without it is from
+        # before grad_accum was part of the order (counted per micro-batch; hybridnorm.train.batch_split)
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch": self.global_batch, "n_tokens": self.n_tokens}
+                "global_batch": self.global_batch, "n_tokens": self.n_tokens, "per_step": 1}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume where ``state`` left off; the split (world size x batch size x accumulation) may change

@@ -66,3 +66,18 @@ def resolve_split(asked_global: int, checkpoint_global: int | None, world_size: 
     if asked_global:
         return split_global_batch(asked_global, world_size, batch_size, grad_accum, f"global_batch={asked_global}")
     return BatchSplit(world_size * batch_size * grad_accum, batch_size, grad_accum, changed=False)
+
+
+def per_step_state(data: dict[str, int], grad_accum: int) -> dict[str, int]:
+    """A checkpoint's data position counted per optimizer step. States written before the global batch
+    became the invariant (no ``per_step`` key) counted micro-batches: their ``global_batch`` was one
+    micro-batch over all processes and ``step`` a micro-batch count; with the run's ``grad_accum`` (as
+    asked again) that is ``grad_accum`` times fewer, larger steps. Exact within the first epoch (later
+    epochs ended at other places before)."""
+    if not data or data.get("per_step") or grad_accum == 1:  # with no accumulation both counts agree
+        return data
+    if data["step"] % grad_accum:
+        raise ConfigError(f"the checkpoint's data position (micro-batch {data['step']}) is not at a step of "
+                          f"grad_accum={grad_accum}: resume with the grad_accum the run was trained with")
+    return {**data, "global_batch": data["global_batch"] * grad_accum, "step": data["step"] // grad_accum,
+            "per_step": 1}

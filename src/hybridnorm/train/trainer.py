@@ -36,7 +36,7 @@ from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
-from hybridnorm.train.batch_split import resolve_split
+from hybridnorm.train.batch_split import per_step_state, resolve_split
 from hybridnorm.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -181,6 +181,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         spikes.load_state_dict(state.extra.get("spike_detector", {}))
     # the global batch is kept from the checkpoint (empty data state: an imported model's step 0); only its
     # split over this many processes may change
+    state.data = per_step_state(state.data, cfg.grad_accum)
     split = resolve_split(cfg.global_batch, state.data.get("global_batch") if state.data else None,
                           d.world_size, cfg.batch_size, cfg.grad_accum)
     cfg = replace(cfg, batch_size=split.batch_size, grad_accum=split.grad_accum, global_batch=split.global_batch)
