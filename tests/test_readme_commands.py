@@ -10,12 +10,11 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import run_bounded
 
 import hybridnorm
 
@@ -54,16 +53,7 @@ def test_every_runnable_readme_command_runs_verbatim(tmp_path):
         words = shlex.split(command)
         if words[0] == "hybridnorm":  # this checkout's package, whichever `hybridnorm` script is on PATH
             words = [sys.executable, "-m", "hybridnorm.cli", *words[1:]]
-        # start_new_session + killpg: a hang past the bound takes torchrun's workers down with it
-        proc = subprocess.Popen(words, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            pytest.fail(f"hung past 300 s: {command}")
-        proc = subprocess.CompletedProcess(words, proc.returncode, stdout, stderr)
+        proc = run_bounded(words, 300, cwd=tmp_path, env=env)
         assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
         assert "final: step" in proc.stdout, f"{command}\n{proc.stdout[-2000:]}"
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from torchrun_helpers import alive, hybridnorm, run, start, torchrun, wait_for, workers
-from train_helpers import read_metrics
+from train_helpers import kill_tree, read_metrics
 
 from hybridnorm.train.checkpoint import check_checkpoint, latest_checkpoint
 
@@ -39,7 +39,7 @@ def _end(proc, timeout: float) -> float:
     try:
         proc.wait(timeout=timeout)
     except Exception:
-        proc.kill()
+        kill_tree(proc)
         pytest.fail(f"torchrun still running {timeout} s after the fault")
     return time.monotonic() - t0
 
@@ -132,7 +132,11 @@ def test_a_lock_rank_0_cannot_take_fails_every_rank_at_once(kjv_cache, tmp_path)
         assert _end(proc, 120) < 120
     finally:
         holder.kill()
-    errors = sorted(line for line in log.read_text().splitlines() if line.startswith("error:"))
-    assert len(errors) == 2, log.read_text()[-3000:]
-    assert f"pid {holder.pid}" in " ".join(errors)
-    assert any(f"rank 1 of 2: claiming out_dir={out} failed on another rank" in e for e in errors)
+    errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert any(f"pid {holder.pid}" in e for e in errors), log.read_text()[-3000:]  # rank 0 names the holder
+    # rank 1 learns it from the same all-reduce and says so, unless torchrun, seeing rank 0 exit first,
+    # stopped it a moment earlier (then it exits 130): either way it never waits for a rank that left
+    assert all(f"pid {holder.pid}" in e or f"rank 1 of 2: claiming out_dir={out} failed on another rank" in e
+               for e in errors), errors
+    frames = [line for line in log.read_text().splitlines() if line.strip().startswith("File ")]
+    assert not any("hybridnorm" in f for f in frames)  # torchrun's own traceback only

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from train_helpers import kill_tree, run_bounded
 
 
 def env(cache: Path) -> dict[str, str]:
@@ -26,7 +27,7 @@ def hybridnorm(*args: str) -> list[str]:
 
 
 def run(cmd: list[str], cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(cache))
+    return run_bounded(cmd, timeout, env=env(cache))  # a hang kills torchrun's workers too
 
 
 def start(cmd: list[str], cache: Path, log: Path) -> subprocess.Popen:
@@ -39,7 +40,7 @@ def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float = 240)
     deadline = time.monotonic() + timeout
     while text not in log.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            kill_tree(proc)
             pytest.fail(f"{text!r} never appeared (rc {proc.returncode}):\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
 
