@@ -1,5 +1,6 @@
-# The README's commands. Each installs what it needs first (torch pinned to the local CPU wheel on this
-# machine kind; elsewhere e.g. `make train TORCH=torch`).
+# The README's commands. Each installs what it needs first: torch pinned to the local CPU wheel on this
+# machine kind (elsewhere e.g. `make train TORCH=torch`), every other package to constraints.txt (the
+# environment the suite last passed in; tools/pin_constraints.py updates it, deliberately).
 PY ?= python3
 TORCH ?= torch==2.13.0
 OUT ?= runs/kjv-hybridnorm-star
@@ -7,11 +8,13 @@ ARGS ?=
 
 .PHONY: install install-dev train test bench docs
 
+CONSTRAINTS ?= constraints.txt
+
 install:
-	$(PY) -m pip install -q "$(TORCH)" -e .
+	$(PY) -m pip install -q "$(TORCH)" -e . -c $(CONSTRAINTS)
 
 install-dev:
-	$(PY) -m pip install -q "$(TORCH)" -e ".[dev]"
+	$(PY) -m pip install -q "$(TORCH)" -e ".[dev]" -c $(CONSTRAINTS)
 
 # The main job: the default small HybridNorm* LM on the embedded KJV corpus. Re-running it continues an
 # interrupted run from its last checkpoint (--resume), or reports a finished one.
@@ -19,7 +22,7 @@ train: install
 	$(PY) -m hybridnorm.cli train --out $(OUT) --resume $(ARGS)
 
 test: install-dev
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks tools
 	$(PY) -m hybridnorm.placements.docs --check docs/placements.md
 	$(PY) -m hybridnorm.experiments.claims --check docs/results
 	$(PY) -m pytest tests

@@ -126,6 +126,7 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     keep = tmp_path / "runs" / "default" / "keep.txt"  # a run folder's file that nothing may delete
     keep.parent.mkdir(parents=True)
     keep.write_text("x")
+    (keep.parent / "metrics.jsonl").write_text("")  # a run folder: the output-folder rule lets train in
     return keep
 
 

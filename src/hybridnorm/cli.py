@@ -13,7 +13,7 @@ import sys
 import typing
 import warnings
 
-from hybridnorm.config_base import parse_text
+from hybridnorm.config_base import is_utf8, parse_text
 from hybridnorm.errors import CollectiveError, ConfigError
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -48,9 +48,13 @@ def _join_spaced_overrides(argv: list[str], own_options: set[str]) -> list[str]:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.train.preflight import check_output_folder
     from hybridnorm.train.trainer import train
 
-    result = train(_config(args, extra), resume=args.resume)  # under main's process_signals
+    cfg = _config(args, extra)
+    # the trainer applies the same rule to out_dir alone; here it also knows the corpus folder it reads
+    check_output_folder(cfg.out_dir, "out_dir (--out)", may_hold=("run",), inputs=[cfg.data.source])
+    result = train(cfg, resume=args.resume)  # under main's process_signals
     if result.diverged:
         return EXIT_DIVERGED
     if result.interrupted:
@@ -128,12 +132,16 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.train.load import load_run
 
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed, as_options=True)  # pre-load
+    if not is_utf8(args.prompt):
+        raise ConfigError(f"--prompt={args.prompt!r} is not valid UTF-8 text: pass the prompt as UTF-8")
     run = load_run(args.checkpoint)
     gen = torch.Generator().manual_seed(args.seed)
-    ids = run.tokenizer.encode(args.prompt) or [run.tokenizer.eot_id]
+    # <|endoftext|> first, as the evaluators and the exported HF tokenizer do: every training document
+    # followed one, so this is the context a document starts from
+    ids = [run.tokenizer.eot_id, *run.tokenizer.encode(args.prompt)]
     out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None, generator=gen)
-    print(run.tokenizer.decode(out[0].tolist()))
+    print(run.tokenizer.decode(out[0, 1:].tolist()))
     return 0
 
 
@@ -346,10 +354,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
     parser = build_parser()
+    overrides: list[str] = []
     if command in ("train", "compare", "sweep"):
-        words = _join_spaced_overrides(words, parser.own_options[command])
+        own = parser.own_options[command]
+        words = _join_spaced_overrides(words, own)
+        # --key=value overrides bypass argparse, which takes a word with a space in it ("--data.source=/my
+        # data") for a positional argument, i.e. for the config file
+        overrides = [w for w in words if w.startswith("--") and "=" in w and w.partition("=")[0] not in own]
+        words = [w for w in words if w not in overrides]
     try:
         args, extra = parser.parse_known_args(words)
+        extra = [*overrides, *extra]
         if extra and args.command not in ("train", "compare", "sweep"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except ConfigError as e:

@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 
 C = TypeVar("C", bound="Config")
@@ -125,12 +126,24 @@ def coerce(where: str, value: Any, tp: Any) -> Any:
             return int(value)
         raise ConfigError(f"{where}={value!r} must be an integer")
     if tp in (bool, str):
+        if isinstance(value, str) and not is_utf8(value):  # bytes that are not UTF-8, from argv or a path
+            raise ConfigError(f"{where}={value!r} is not valid UTF-8 text")
         if isinstance(value, tp):
             return value
         raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
     if tp is Any or tp is dict or typing.get_origin(tp) is dict:
         return value
     raise TypeError(f"config field {where}: unsupported type hint {tp!r}")  # a bug in a config class
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: Python decodes command-line bytes that are not UTF-8 into lone
+    surrogates, which no file (config.yaml) or tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_bounds(where: str, value: Any, bounds: dict[str, float]) -> None:
@@ -329,12 +342,16 @@ def parse_text(text: str, kind: str) -> Any:
     data: a syntax error, a key given twice, an object-building YAML tag, nesting too deep to read."""
     try:
         if kind == "json":
-            return json.loads(text, object_pairs_hook=_unique_keys)
-        return yaml.load(text, Loader=_StrictYamlLoader)  # a SafeLoader subclass: no object-building tags
+            return plain_data.loads(text, object_pairs_hook=_unique_keys)  # the depth limit included
+        data = yaml.load(text, Loader=_StrictYamlLoader)  # a SafeLoader subclass: no object-building tags
+        plain_data.check_depth(data)  # the same limit as JSON; also stops an alias cycle (&a [*a])
+        return data
+    except plain_data.NestingError as e:
+        raise ConfigError(f"config is not valid {kind}: {e}") from None
     except (ValueError, yaml.YAMLError) as e:  # json.JSONDecodeError is a ValueError
         raise ConfigError(f"config is not valid {kind}: {' '.join(str(e).split())}") from None  # one line
-    except RecursionError:
-        raise ConfigError(f"config is not valid {kind}: nested too deeply to read") from None
+    except RecursionError:  # YAML's composer recursing past the stack
+        raise ConfigError(f"config is not valid {kind}: nested deeper than {plain_data.MAX_DEPTH} levels") from None
 
 
 def read_file(path: str | Path, what: str = "config file") -> dict[str, Any]:

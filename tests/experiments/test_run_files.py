@@ -73,7 +73,7 @@ def test_the_good_folder_reads(tmp_path):
     ("point.json", json.dumps({"point": POINT, "config": {"model": {"d_model": "big"}}}).encode(),
      "model.d_model='big' must be an integer"),
     ("point.json", b'{"point": 1, "point": 2}', "duplicate key 'point'"),
-    ("point.json", b"[" * 100_000, "nested too deeply"),
+    ("point.json", b"[" * 100_000, "nested deeper than 100 levels"),
     ("metrics.jsonl", b"\x00\xff\n", "cannot read metrics file"),
     ("metrics.jsonl", b'{"kind": "train", "step": 3, "loss": "x"}\n', "line 1: train record field 'loss'"),
     ("metrics.jsonl", b'{"kind": "train", "step": "3", "loss": 1.0}\n', "'step' must be an integer"),

@@ -66,7 +66,7 @@ def test_export_refuses_a_non_empty_folder_and_import_a_corrupt_config(trained_r
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert main(["export", str(trained_run), "--to", "hf", str(tmp_path / "full")]) == 2
-    assert "exists and is not empty" in capsys.readouterr().err
+    assert "is not empty: it holds files of its own (keep.txt)" in capsys.readouterr().err
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"  # nothing lost
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "tokenizer.json").write_bytes((trained_run / "tokenizer.json").read_bytes())

@@ -46,7 +46,9 @@ def test_hybridnorm_star_save_from_pretrained_generate(tmp_path: Path, trained_r
     assert isinstance(hf, HybridNormForCausalLM)
     tok = AutoTokenizer.from_pretrained(tmp_path)
     enc = tok("the lord said", return_tensors="pt")
-    assert enc["input_ids"][0].tolist() == run.tokenizer.encode("the lord said")
+    # <|endoftext|> first, as `hybridnorm generate` and the evaluators put it: training saw every document after one
+    assert enc["input_ids"][0].tolist() == [run.tokenizer.eot_id, *run.tokenizer.encode("the lord said")]
+    assert tok.model_max_length == run.model.config.max_seq_len
 
     out = hf.generate(**enc, max_new_tokens=24, min_new_tokens=24, do_sample=False)  # HF's KV cache
     ref = run.model.generate(enc["input_ids"], 24, temperature=0)  # ours, its own cache
@@ -66,7 +68,8 @@ def test_left_padded_batch_generates_what_each_prompt_does_alone(tmp_path: Path,
     assert batch["attention_mask"][0, 0] == 0  # the short prompt really is padded
     out = hf.generate(**batch, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     for row, prompt in zip(out, prompts, strict=True):
-        alone = run.model.generate(torch.tensor([run.tokenizer.encode(prompt)]), 12, temperature=0)
+        alone = run.model.generate(torch.tensor([[run.tokenizer.eot_id, *run.tokenizer.encode(prompt)]]), 12,
+                                   temperature=0)
         assert row[-12:].tolist() == alone[0, -12:].tolist()
 
 
@@ -115,6 +118,8 @@ def test_bpe_tokenizer_is_saved_as_a_fast_tokenizer_with_the_same_ids(tmp_path: 
     tok = AutoTokenizer.from_pretrained(tmp_path)
     s = "And God created the earth, and the heaven."
     assert tok(s, add_special_tokens=False)["input_ids"] == bpe.encode(s)
+    assert tok(s)["input_ids"] == [bpe.eot_id, *bpe.encode(s)]  # the default prepends <|endoftext|>
+    assert bpe.hf.post_processor is None  # the run's own tokenizer is not changed by the export
     assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == bpe.eot_id
     assert tok.decode(bpe.encode(s)) == s
 

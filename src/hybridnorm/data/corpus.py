@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 
 FORMAT_VERSION = 1  # bump when document construction or splitting changes: it invalidates every cache
@@ -217,9 +217,9 @@ def jsonl_records(path: Path, what: str = "data file") -> Iterator[tuple[int, di
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            rec = plain_data.loads(line)  # the depth limit: one deep line is an error, not a RecursionError
+        except ValueError as e:
+            raise ConfigError(f"{what} {path}:{i}: {plain_data.describe_error(e)}") from None
         if not isinstance(rec, dict):
             raise ConfigError(f"{path}:{i}: expected a JSON object per line, got {type(rec).__name__}")
         yield i, rec

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridnorm import plain_data
 from hybridnorm.data.corpus import Corpus, load_corpus, source_fingerprint
 from hybridnorm.data.tokenizer import (
     KINDS,
@@ -152,7 +153,7 @@ def _load_ready(folder: Path, source: str) -> PreparedData | None:
     """The prepared data in ``folder`` if ``meta.json`` and every file it vouches for check out, else None
     (nothing built yet, or a damaged cache: the caller rebuilds over it)."""
     try:
-        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        meta = plain_data.loads((folder / "meta.json").read_bytes())
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             return None
         tok = load_tokenizer(folder, vocab_size=meta["vocab_size"])

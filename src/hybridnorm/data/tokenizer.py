@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -128,9 +129,12 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Tokenizer
     file = path / "tokenizer.json" if path.is_dir() else path
     try:
         text = file.read_text(encoding="utf-8")
-        head = json.loads(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read tokenizer file {file}: {e}") from None
+    try:
+        head = plain_data.loads(text)  # the depth limit, before the Rust parser sees the text
+    except ValueError as e:
+        raise ConfigError(f"cannot read tokenizer file {file}: {plain_data.describe_error(e)}") from None
     if isinstance(head, dict) and head.get("type") == "hybridnorm-bytes":
         tok: Tokenizer = ByteTokenizer()
     else:

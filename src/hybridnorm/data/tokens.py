@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridnorm import plain_data
 from hybridnorm.data.tokenizer import Tokenizer, atomic_file, atomic_write
 from hybridnorm.errors import ConfigError
 
@@ -62,8 +63,8 @@ def read_meta(path: str | Path) -> dict[str, object]:
     if not path.is_file():
         raise ConfigError(f"token file {path} does not exist")
     try:
-        meta = json.loads(side.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        meta = plain_data.loads(side.read_bytes())
+    except (OSError, ValueError) as e:
         raise ConfigError(f"token file {path}: missing or unreadable sidecar {side.name} ({e}); "
                           f"delete the folder to rebuild it") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("dtype") not in DTYPES:

@@ -50,22 +50,35 @@ class EvalRequest(Config):
             raise ConfigError(f"--tasks must be a comma-separated list, got {self.tasks!r}")
 
 
+def check_device(name: str | None):  # -> torch.device | None
+    """``--device`` parsed and probed with an empty tensor: a malformed name, a device type this torch was
+    built without, CUDA with no GPU present or an index past the last GPU is one ConfigError naming it."""
+    if name is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)
+        if device.type == "meta":
+            raise ValueError("the meta device holds shapes, no numbers")
+    except (RuntimeError, AssertionError, ValueError) as e:  # AssertionError: "Torch not compiled with CUDA"
+        raise ConfigError(f"--device={name!r} cannot be used here: {' '.join(str(e).split())[:200]}") from None
+    return device
+
+
 def task_names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def run_eval(req: EvalRequest) -> dict[str, Any]:
     """Run what ``req`` asks for, print it, write ``req.output`` if set; returns the results dict."""
+    device = check_device(req.device)  # before the minutes of loading, and for every kind of evaluation
     run = load_run(req.checkpoint)
+    if device is not None:
+        run.model.to(device)
     if not (req.mc or req.text or req.tasks):
         return _validation_loss(run, req)
-    if req.device:
-        import torch
-
-        try:
-            run.model.to(torch.device(req.device))
-        except (RuntimeError, AssertionError) as e:  # a malformed name, or CUDA not built in / not present
-            raise ConfigError(f"--device={req.device!r}: {e}") from None
     rows: list = []
     notes: list[str] = []
     out: dict[str, Any] = {"checkpoint": str(run.checkpoint)}

@@ -24,6 +24,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.grid import Grid, run_grid
 from hybridnorm.experiments.report import print_verdicts, write_report
 from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.preflight import check_output_folder
 
 
 def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: int = 1, baseline: str | None = None,
@@ -37,6 +38,8 @@ def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: 
     def report(records: list) -> None:
         write_report(records, out, baseline, command, title)
 
+    if train:  # the output-folder rule of every command: a report folder (this grid's, to continue) or a new one
+        check_output_folder(out, "report folder (--out)", may_hold=("report",))
     runs = run_grid(base, grid, out, jobs=jobs, on_progress=report, train=train)
     print_verdicts(runs)
     report(runs)

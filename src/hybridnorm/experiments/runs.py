@@ -9,13 +9,13 @@ trainer writes (``metrics.jsonl`` with its ``meta``/``train``/``eval``/``diag``/
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridnorm import plain_data
 from hybridnorm.config_base import read_file
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.verdict import Verdict, collapse_signals, judge
@@ -160,8 +160,8 @@ def _metric_records(path: Path) -> list[dict[str, Any]]:
     records = []
     for n, line in enumerate(text.splitlines(), 1):
         try:
-            r = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
+            r = plain_data.loads(line)
+        except ValueError:
             continue
         problem = _record_problem(r)
         if problem:

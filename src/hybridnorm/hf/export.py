@@ -27,7 +27,7 @@ from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
-from hybridnorm.train.preflight import check_fits, check_run_fits, check_writable_dir
+from hybridnorm.train.preflight import check_fits, check_output_folder, check_run_fits, staged_folder
 from hybridnorm.train.run import Run, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,19 +43,26 @@ class ExportResult:
     reason: str  # why this class: the match, or why no stock class fits
 
 
-def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+def hf_tokenizer(tok: Tokenizer, max_length: int | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer as a ``PreTrainedTokenizerFast`` with the same ids; ``<|endoftext|>`` (our document
-    separator) serves as bos, eos and pad. The byte tokenizer becomes an equivalent HF byte-level model:
-    a BPE with the 256 byte symbols as ids 0..255 and no merges."""
+    separator) serves as bos, eos and pad, and is prepended by default (``add_special_tokens=True``) as
+    ``hybridnorm generate`` and the evaluators prepend it: training saw every document right after one.
+    ``model_max_length`` is the model's context (``max_length``). The byte tokenizer becomes an equivalent
+    HF byte-level model: a BPE with the 256 byte symbols as ids 0..255 and no merges."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
     if isinstance(tok, BPETokenizer):
-        inner = tok.hf
+        inner = HFTokenizer.from_str(tok.hf.to_str())  # a copy: the run's own tokenizer stays as it is
     elif isinstance(tok, ByteTokenizer):
         inner = _byte_level_tokenizer()
     else:
         raise ConfigError(f"cannot convert a {type(tok).__name__} tokenizer to a Hugging Face one")
     eot = inner.id_to_token(tok.eot_id)
+    inner.post_processor = TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A $B:1",
+                                              special_tokens=[(eot, tok.eot_id)])
     return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=eot, eos_token=eot, pad_token=eot,
-                                   model_max_length=int(1e30), clean_up_tokenization_spaces=False)
+                                   model_max_length=max_length or int(1e30), clean_up_tokenization_spaces=False)
 
 
 def _byte_level_tokenizer():  # -> tokenizers.Tokenizer
@@ -79,9 +86,7 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
         raise ConfigError(f"--arch={arch!r} is not one of {', '.join(ARCH_CHOICES)}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    out = check_writable_dir(out_dir, "export folder")
-    if out.exists() and _non_empty(out):
-        raise ConfigError(f"export folder {out} exists and is not empty")
+    out = check_output_folder(out_dir, "export folder", inputs=[source])
     mc = model.config
     match, reason = stock.match_stock(mc)
     if arch not in ("auto", MODEL_TYPE) and (match is None or match.model_type != arch):
@@ -105,37 +110,28 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
             reason = f"--arch={MODEL_TYPE} asked for hybridnorm's own class ({reason})"
     hf = hf.to(DTYPES[dtype])
     cfg.dtype = DTYPES[dtype]
-    try:  # checked writable above; a disk that fills up or a folder changed meanwhile still fails here
-        out.mkdir(parents=True, exist_ok=True)
-        hf.save_pretrained(out)
+    # checked writable above; a disk that fills up fails here, leaving nothing (written aside, renamed at the end)
+    with staged_folder(out, "export folder") as tmp, folder.quiet_transformers():
+        hf.save_pretrained(tmp)
         if tokenizer is not None:
-            hf_tokenizer(tokenizer).save_pretrained(out)
+            hf_tokenizer(tokenizer, mc.max_seq_len).save_pretrained(tmp)
         if not is_stock:
-            (out / SHIM).write_text(
+            (tmp / SHIM).write_text(
                 "# hybridnorm's own HF class, for from_pretrained(..., trust_remote_code=True).\n"
                 "# Needs `pip install 'hybridnorm[hf]'`; `import hybridnorm.hf` registers it without this file.\n"
                 "from hybridnorm.hf.modeling import HybridNormConfig, HybridNormForCausalLM  # noqa: F401\n",
                 encoding="utf-8")
-        (out / "hybridnorm_export.json").write_text(json.dumps({
+        (tmp / "hybridnorm_export.json").write_text(json.dumps({
             "class": class_name, "stock": is_stock, "reason": reason,
             "placement": mc.resolved_placement().to_dict(), "source": source}, indent=1, default=str),
             encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"export folder {out}: cannot write: {folder.one_line(e)}") from None
     return ExportResult(out, class_name, is_stock, reason)
-
-
-def _non_empty(path: Path) -> bool:
-    try:
-        return any(path.iterdir())
-    except OSError as e:
-        raise ConfigError(f"cannot list {path}: {folder.one_line(e)}") from None
 
 
 def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype: str = "float32") -> ExportResult:
     """Export a run folder (its newest good checkpoint), one ``checkpoints/step_*`` folder or a local HF
     folder (to another architecture or dtype)."""
-    check_writable_dir(out_dir, "export folder")  # before minutes of loading, not after
+    check_output_folder(out_dir, "export folder", inputs=[path])  # before minutes of loading, not after
     if is_hf_folder(path):
         run = load_hf_run(path)
     else:
@@ -154,7 +150,7 @@ def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM
     raw = folder.read_config(path)
     cfg = folder.build_config(path, raw)
     if cfg.model_type == MODEL_TYPE:
-        mc, copies = cfg.model_config(), 1
+        mc = cfg.model_config()
     else:
         try:  # refuses what our model cannot express, before any weights load
             mc, arch = stock.from_hf_config(cfg)
@@ -162,15 +158,15 @@ def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM
             raise ConfigError(f"{path / 'config.json'}: {e}") from None
         except Exception as e:  # a field of the wrong kind that the config class let through
             raise ConfigError(f"{path / 'config.json'}: {type(e).__name__}: {folder.one_line(e)}") from None
-        copies = 2  # the HF model, then our TransformerLM built from its state dict
+    copies = 2  # the HF model, then a plain TransformerLM built from its state dict
     weights = folder.find_weights(path, allow_pickle=allow_pickle)
     check_fits(mc, "cpu", training=False, copies=copies + (weights.kind == "pickle"),
                what=f"the model in {path}")
     hf = folder.load_model(path, cfg, weights)
+    model = TransformerLM(mc)  # our own blocks and attention kernel, not the HF class's transformers parts
     if cfg.model_type == MODEL_TYPE:
-        model = hf.model
+        model.load_state_dict(hf.model.state_dict(), strict=True)
     else:
-        model = TransformerLM(mc)
         model.load_state_dict(stock.from_hf_state_dict(hf.state_dict(), mc, arch), strict=True)
     return model.eval(), cfg.model_type
 
@@ -178,9 +174,7 @@ def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM
 def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     """A local HF folder as a :class:`~hybridnorm.train.run.Run` (model, tokenizer, a TrainConfig whose
     tokenizer is the folder's), so ``hybridnorm generate|eval`` take HF folders as they take runs."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
+    path = _hf_folder(path)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise ConfigError(f"{path} has no tokenizer.json (a fast tokenizer is needed to use the model)")
@@ -197,22 +191,24 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer)
 
 
+def _hf_folder(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
 def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False) -> Path:
     """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000).
     ``allow_pickle``: read pickle weights (only) with ``torch.load(weights_only=True)``; the run folder
     written holds safetensors, so nothing downstream unpickles again."""
-    out = check_writable_dir(out_dir, "run folder (--out)")
-    if (out / "checkpoints").exists():
-        raise ConfigError(f"{out} already holds a run (checkpoints/); choose a new folder")
+    out = check_output_folder(out_dir, "run folder (--out)", inputs=[_hf_folder(path)])  # input named first
     run = load_hf_run(path, allow_pickle=allow_pickle)
     cfg = run.config
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        run.tokenizer.save(out)
+    with staged_folder(out, "run folder") as tmp:  # all or nothing: no half run behind a failure
+        run.tokenizer.save(tmp)
         cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
-        (out / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
+        (tmp / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
-        save_checkpoint(out / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
-    except OSError as e:
-        raise ConfigError(f"run folder {out}: cannot write: {folder.one_line(e)}") from None
+        save_checkpoint(tmp / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
     return out

@@ -23,7 +23,6 @@ the folder itself first, and only what passes goes on:
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,9 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 from hybridnorm.hf import stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
+from hybridnorm.train import tensor_check
 
 CONFIG_MAX_BYTES = 16 << 20  # real configs are a few KB; a bigger file is not worth parsing
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -48,6 +49,8 @@ OWN_AUTO_MAP = {"AutoConfig": "modeling_hybridnorm.HybridNormConfig",
 # Dropped, not refused: they choose kernels (possibly hub-hosted code), never the numbers we copy out.
 IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation", "_attn_implementation",
                        "_attn_implementation_internal", "_experts_implementation_internal")
+# JSON files of a folder that from_pretrained reads on its own (generation defaults)
+SIDE_JSON = ("generation_config.json",)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -105,11 +108,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
         if file.stat().st_size > CONFIG_MAX_BYTES:
             raise ConfigError(f"{file} is {file.stat().st_size:,} bytes; a model config is at most "
                               f"{CONFIG_MAX_BYTES:,}")
-        raw = json.loads(file.read_bytes().decode("utf-8"))
+        raw = plain_data.loads(file.read_bytes())
     except ConfigError:
         raise
-    except (OSError, ValueError, RecursionError) as e:  # unreadable, not UTF-8, not JSON, nested too deep
+    except OSError as e:
         raise ConfigError(f"cannot read {file}: {one_line(e)}") from None
+    except ValueError as e:  # not UTF-8, not JSON, nested too deep
+        raise ConfigError(f"{file}: {plain_data.describe_error(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object at the top, got {type(raw).__name__}")
     model_type = raw.get("model_type")
@@ -128,6 +133,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{file}: {where} is set; hybridnorm reads unquantized weights only")
     for key in IMPLEMENTATION_KEYS:
         cfg.pop(key, None)
+    for name in SIDE_JSON:  # transformers parses these itself: through our reader first, naming the file
+        side = Path(path) / name
+        if side.is_file():
+            try:
+                plain_data.loads(side.read_bytes())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{side}: {plain_data.describe_error(e)}") from None
     return cfg
 
 
@@ -159,9 +171,11 @@ class Weights:
 def _index_files(index: Path, suffix: str) -> list[Path]:
     """The shard files a ``*.index.json`` names, each a plain file name inside the folder."""
     try:
-        data = json.loads(index.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
+        data = plain_data.loads(index.read_bytes())
+    except OSError as e:
         raise ConfigError(f"cannot read {index}: {one_line(e)}") from None
+    except ValueError as e:
+        raise ConfigError(f"{index}: {plain_data.describe_error(e)}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"{index}: expected a non-empty 'weight_map' object")
@@ -217,6 +231,10 @@ def load_pickle_state_dict(files: list[Path]) -> dict[str, Tensor]:
         if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in sd.items()):
             raise ConfigError(f"{f} is not a state dict (a mapping of names to tensors): found "
                               f"{type(sd).__name__}")
+        for k, v in sd.items():
+            if not v.is_floating_point():
+                raise ConfigError(f"{f}: tensor {k!r} is {v.dtype}, but every weight of the model is floating point")
+        tensor_check.check_finite(sd.items(), str(f))
         out.update(sd)
     return out
 
@@ -229,6 +247,12 @@ def load_model(path: str | Path, config: Any, weights: Weights) -> Any:  # -> tr
     would import a model that is silently not the folder's."""
     path = Path(path)
     cls = model_class(config.model_type)
+    if weights.kind == "safetensors":  # the headers' claims and every value, before transformers reads them
+        dtype = getattr(config, "dtype", None)
+        tensor_check.check_header_dtypes(weights.files, tensor_check.expected_dtype(
+            None if dtype is None else str(dtype), f"{path / 'config.json'}"))
+        for f in weights.files:
+            tensor_check.check_file_finite(f)
     common: dict[str, Any] = dict(config=config, dtype=torch.float32, trust_remote_code=False,
                                   output_loading_info=True, ignore_mismatched_sizes=True)  # report, not raise
     try:

@@ -1,131 +1,88 @@
-"""Every placement as a Hugging Face ``transformers`` causal LM: ``HybridNormConfig`` + ``HybridNormForCausalLM``.
+"""Every placement as a Hugging Face ``transformers`` model: ``HybridNormModel`` (``AutoModel``) and
+``HybridNormForCausalLM`` (``AutoModelForCausalLM``).
 
-The HF class is a thin shell around :class:`hybridnorm.TransformerLM` (the ``model`` attribute), so what
-``save_pretrained`` writes is our own state dict under a ``model.`` prefix and the numbers are those of
-the training code, not of a re-implementation. Importing ``hybridnorm.hf`` registers both classes with
-``AutoConfig`` / ``AutoModelForCausalLM`` (model type ``"hybridnorm"``)::
+Both hold the training code's own :class:`hybridnorm.TransformerLM` as ``model``, so a folder's weights are
+a TransformerLM state dict under a ``model.`` prefix (the names every export has had) and the placement's
+math is the code that trained it. What a transformers model owes its callers comes from transformers' own
+parts, plugged in at our seams (:mod:`hybridnorm.hf.attention`): its caches (dynamic, static, ...), its mask
+builder (2-D padding masks, 4-D masks, static-cache lengths, packed sequences), its attention backends
+(``attn_implementation``: eager, sdpa), its loss conventions (``num_items_in_batch``,
+``shift_labels``). Importing ``hybridnorm.hf`` registers the classes with the Auto factories::
 
     import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained("exported/")        # a local folder
     out = model.generate(**AutoTokenizer.from_pretrained("exported/")("In the beginning", return_tensors="pt"))
-
-The config stores the whole :class:`hybridnorm.ModelConfig` with the placement spelled out as data
-(``config.hybridnorm``), so a folder loads the same model even if a registry preset changes later. The
-usual size attributes (``hidden_size``, ``num_hidden_layers``, ...) are derived from it for tools that
-read them (generation caches, lm-eval's HFLM, memory estimators).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from hybridnorm.config import ModelConfig
+from hybridnorm.hf.attention import CacheView, HFKernel
+from hybridnorm.hf.compat import CACHE_FIELD, causal_mask, with_cache
+from hybridnorm.hf.configuration import MODEL_TYPE, HybridNormConfig
+from hybridnorm.hf.loss import causal_lm_loss
+from hybridnorm.nn.block import Block
 from hybridnorm.nn.model import TransformerLM
 
-MODEL_TYPE = "hybridnorm"
+__all__ = ["MODEL_TYPE", "HybridNormConfig", "HybridNormForCausalLM", "HybridNormModel", "register"]
 
 
-class HybridNormConfig(PretrainedConfig):
-    """``hybridnorm``: the full :class:`hybridnorm.ModelConfig` as a dict (placement as data). Every
-    other size field is derived from it and overwritten, so the two can never disagree."""
-
-    model_type = MODEL_TYPE
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
-
-    hybridnorm: dict | None = None
-    vocab_size: int | None = None
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_hidden_layers: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    max_position_embeddings: int | None = None
-    placement: str | None = None
-    use_cache: bool = True
-    tie_word_embeddings: bool = False  # TransformerLM ties by itself: HF must not tie (or untie) anything
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
-
-    def __post_init__(self, **kwargs: Any) -> None:
-        mc = self.model_config()
-        self.hybridnorm = _plain(mc.to_dict())
-        self.vocab_size = mc.embedding_size
-        self.hidden_size, self.intermediate_size = mc.d_model, mc.ffn_hidden_size
-        self.num_hidden_layers, self.num_attention_heads = mc.n_layers, mc.n_heads
-        self.num_key_value_heads, self.head_dim = mc.kv_heads, mc.head_dim
-        self.max_position_embeddings = mc.max_seq_len
-        self.placement = mc.resolved_placement().name
-        self.tie_word_embeddings = False
-        super().__post_init__(**kwargs)
-
-    def model_config(self) -> ModelConfig:
-        """The hybridnorm config, with the placement resolved to a dict (self-contained)."""
-        mc = ModelConfig.from_dict(dict(self.hybridnorm)) if self.hybridnorm else ModelConfig()
-        mc.placement = mc.resolved_placement().to_dict()
-        return mc
-
-    @classmethod
-    def from_model_config(cls, mc: ModelConfig, **kwargs: Any) -> HybridNormConfig:
-        return cls(hybridnorm=mc.to_dict(), **kwargs)
-
-
-def _plain(x: Any) -> Any:
-    """Tuples -> lists, recursively: the dict must survive a JSON round trip unchanged."""
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return x
-
-
-class _CacheView:
-    """A transformers :class:`Cache` seen through :class:`hybridnorm.nn.attention.KVCache`'s interface
-    (``pos``, ``update(layer, k, v)``); keys/values are (B, H_kv, T, D) in both."""
-
-    def __init__(self, cache: Cache) -> None:
-        self.cache = cache
-        self.pos = cache.get_seq_length()
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self.cache.update(k, v, layer)
+class HybridNormDecoderLayer(Block, GradientCheckpointingLayer):
+    """Our :class:`~hybridnorm.nn.block.Block` (the same computation and weights) as a transformers
+    ``GradientCheckpointingLayer``: ``gradient_checkpointing_enable()`` checkpoints each one the way it
+    checkpoints Llama's layers."""
 
 
 class HybridNormPreTrainedModel(PreTrainedModel):
     config_class = HybridNormConfig
     config: HybridNormConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
-    _no_split_modules: ClassVar[list[str]] = ["Block"]
-    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values"]
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules: ClassVar[list[str]] = ["HybridNormDecoderLayer"]
+    _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values", "cache"]
+    # eager and sdpa are the backends tested here; flash attention needs a GPU and flex attention inductor's
+    # C++ toolchain on CPU, neither at hand, so transformers refuses them for this class rather than run untested
     _supports_sdpa = True
-
-    @torch.no_grad()
-    def _init_weights(self, module: torch.nn.Module) -> None:
-        # Weights come from TransformerLM's own init (or the checkpoint); HF's generic init would
-        # overwrite the placement's scheme. Only the RoPE tables, non-persistent buffers that a
-        # meta-device load leaves empty, are rebuilt here.
-        if isinstance(module, TransformerLM):
-            module.reset_rope()
-
-
-class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
-    """Causal LM head over any placement; ``forward`` follows the HF conventions (``labels`` shifted
-    inside, ``attention_mask`` for padded batches, ``past_key_values`` a transformers Cache)."""
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = True
 
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
-        self.model = TransformerLM(config.model_config())
+        self.model = TransformerLM(self.config.model_config(), HybridNormDecoderLayer)
+        for block in self.model.blocks:  # transformers' backends in the attention-kernel slot
+            a = block.attn
+            block.attn.inner = HFKernel(self.config, a.n_heads, a.n_kv_heads, a.head_dim, a.layer_idx)
+        self.gradient_checkpointing = False  # set with the layers' by gradient_checkpointing_enable()
         self.post_init()
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Any = checkpoint,
+                                    *args: Any, **kwargs: Any) -> None:
+        # always non-reentrant, whatever use_reentrant asks: an MoE block's router losses leave it beside its
+        # output, and only the non-reentrant checkpoint gives them gradients (the numbers are the same)
+        func = functools.partial(gradient_checkpointing_func, use_reentrant=False)
+        super()._set_gradient_checkpointing(enable, func, *args, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        # The placement's own scheme (per-depth scales, untied head), which is model-level: drawn once for the
+        # whole TransformerLM. transformers guards the nn.init calls inside, so loaded weights are not redrawn.
+        if isinstance(module, TransformerLM):
+            module.reset_parameters()
+            module.reset_rope()
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.model.embed
@@ -133,42 +90,130 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value: torch.nn.Embedding) -> None:
         self.model.embed = value
 
+    def _decode(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
+                cache: Any, inputs_embeds: Tensor | None, use_cache: bool | None, output_attentions: bool | None,
+                output_hidden_states: bool | None) -> BaseModelOutputWithPast:
+        """The final-normed hidden states (B, T, d), with the cache and what the flags ask to record."""
+        cfg = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        use_cache = cfg.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:  # a recomputed block would write its keys twice
+            use_cache = False
+        output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        lm = self.model
+        x = lm.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, d)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=cfg)
+        if not use_cache:
+            cache = None
+        if position_ids is None:
+            position_ids = _default_positions(x.shape[1], attention_mask, cache, x.device)
+        max_len = lm.config.max_seq_len
+        if not torch.compiler.is_compiling() and position_ids.numel() and int(position_ids.max()) >= max_len:
+            raise ValueError(f"position {int(position_ids.max())} exceeds max_position_embeddings={max_len}")
+        mask = causal_mask(cfg, x, attention_mask, cache, position_ids)  # None, or (B, 1, T, S)
+        cos, sin = lm.rope_cos[position_ids], lm.rope_sin[position_ids]  # (B or 1, T, D/2)
+        kernels = [b.attn.inner for b in lm.blocks]
+        attentions: list[Tensor] | None = [] if output_attentions else None
+        hidden: list[Tensor] | None = [] if output_hidden_states else None
+        for k in kernels:
+            k.record = attentions
+        try:
+            x = lm.trunk(x, cos, sin, CacheView(cache) if cache is not None else None, mask, hidden)  # (B, T, d)
+        finally:
+            for k in kernels:
+                k.record = None
+        if hidden is not None:
+            hidden.append(x)  # as in transformers: the last entry is the final-normed output
+        if attentions is not None:  # only the eager backend computes the weights (as in transformers: none else)
+            attentions = [w for w in attentions if w is not None]
+        return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=tuple(hidden) if hidden is not None else None,
+                                       attentions=tuple(attentions) if attentions is not None else None,
+                                       **with_cache(cache))
+
+
+def _default_positions(T: int, attention_mask: Tensor | None, cache: Any, device: torch.device) -> Tensor:
+    """Positions of the T new tokens: with a 2-D padding mask they count real tokens only, so a left-padded
+    row computes what it computes alone (B, T); else they follow the cached ones (1, T)."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+    past = cache.get_seq_length() if cache is not None else 0
+    return (torch.arange(T, device=device) + past).unsqueeze(0)
+
+
+def _cache_arg(cache: Any, kwargs: dict[str, Any]) -> Any:
+    """The KV cache, passed as ``cache`` (transformers >= 5.23) or ``past_key_values`` (earlier, and still
+    accepted by those releases with a deprecation warning, as their own models do)."""
+    legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None and CACHE_FIELD == "cache":
+        warnings.warn("`past_key_values` is deprecated: pass the KV cache as `cache`", FutureWarning, stacklevel=3)
+    return cache if cache is not None else legacy
+
+
+class HybridNormModel(HybridNormPreTrainedModel):
+    """The decoder without its head (``AutoModel``): ``last_hidden_state`` is the final-normed stream that
+    the head reads. The untied head's weight, if any, stays in ``model.lm_head`` so that weight names are
+    those of every export (a HybridNormForCausalLM folder loads here, and back, without renaming)."""
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, cache: Any = None, inputs_embeds: Tensor | None = None,
+                use_cache: bool | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                **kwargs: Any) -> BaseModelOutputWithPast | tuple:
+        out = self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
+                           use_cache, output_attentions, output_hidden_states)
+        return out if _return_dict(self.config, return_dict) else out.to_tuple()
+
+
+class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
+    """Causal LM over any placement. ``labels`` are shifted inside (or ``shift_labels`` given already
+    shifted); with ``num_items_in_batch`` the loss is the sum over this batch's scored tokens divided by it
+    (what ``Trainer`` passes under gradient accumulation), else their mean; an MoE's weighted router losses
+    are added, scaled by this batch's share of the scored tokens so that accumulated micro-batches add up
+    to one batch's."""
+
     def get_output_embeddings(self) -> torch.nn.Linear | None:
         return self.model.lm_head  # None when tied: TransformerLM reuses embed.weight itself
 
+    def set_output_embeddings(self, value: torch.nn.Linear) -> None:
+        self.model.lm_head = value
+
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, past_key_values: Cache | None = None,
-                inputs_embeds: Tensor | None = None, labels: Tensor | None = None, use_cache: bool | None = None,
-                logits_to_keep: int | Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast:
-        if inputs_embeds is not None:
-            raise ValueError("HybridNormForCausalLM takes input_ids, not inputs_embeds")
-        if input_ids is None:
-            raise ValueError("input_ids is required")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None and not self.training:
-            past_key_values = DynamicCache(config=self.config)
-        cache = _CacheView(past_key_values) if use_cache and past_key_values is not None else None
-        logits = self.model(input_ids, cache=cache, attention_mask=attention_mask,
-                            position_ids=position_ids)  # (B, T, V)
+                position_ids: Tensor | None = None, cache: Any = None, inputs_embeds: Tensor | None = None,
+                labels: Tensor | None = None, use_cache: bool | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                logits_to_keep: int | Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast | tuple:
+        out = self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
+                           use_cache, output_attentions, output_hidden_states)
+        x = out.last_hidden_state  # (B, T, d)
+        if isinstance(logits_to_keep, int):
+            x = x[:, -logits_to_keep:] if logits_to_keep > 0 else x
+        else:
+            x = x[:, logits_to_keep]
+        logits = self.model.head(x)  # (B, T', V)
         loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        if labels is not None or kwargs.get("shift_labels") is not None:
+            loss, scored = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch"), kwargs.get("shift_labels"))
             if self.model.is_moe:
-                loss = loss + self.model.aux_losses()["aux_loss"]
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            logits = logits[:, -logits_to_keep:]
-        elif isinstance(logits_to_keep, Tensor):
-            logits = logits[:, logits_to_keep]
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+                share = scored / kwargs["num_items_in_batch"] if kwargs.get("num_items_in_batch") is not None else 1.0
+                loss = loss + self.model.aux_losses()["aux_loss"] * share
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                        attentions=out.attentions, **with_cache(getattr(out, CACHE_FIELD)))
+        return result if _return_dict(self.config, return_dict) else result.to_tuple()
+
+
+def _return_dict(config: HybridNormConfig, return_dict: bool | None) -> bool:
+    return config.return_dict if return_dict is None else return_dict
 
 
 def register() -> None:
     """Register the classes with the Auto factories (idempotent; done on ``import hybridnorm.hf``)."""
-    try:
-        AutoConfig.register(MODEL_TYPE, HybridNormConfig)
-    except ValueError:  # already registered
-        pass
-    try:
-        AutoModelForCausalLM.register(HybridNormConfig, HybridNormForCausalLM)
-    except ValueError:
-        pass
+    for factory, key, cls in ((AutoConfig, MODEL_TYPE, HybridNormConfig),
+                              (AutoModel, HybridNormConfig, HybridNormModel),
+                              (AutoModelForCausalLM, HybridNormConfig, HybridNormForCausalLM)):
+        try:
+            factory.register(key, cls)
+        except ValueError:  # already registered
+            pass

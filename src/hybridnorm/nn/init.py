@@ -49,7 +49,9 @@ def init_weights(model: nn.Module, scheme: str, std: float) -> None:
         }[scheme]
         attn = block.attn
         _tn(attn.w_qkv.weight, std)
-        if beta != 1.0:
+        # a loader that marks the tensors it filled (transformers' `_is_hf_initialized`, honoured by its guarded
+        # nn.init functions) must not see the V rows re-drawn: they are a view, which the mark does not reach
+        if beta != 1.0 and not getattr(attn.w_qkv.weight, "_is_hf_initialized", False):
             v_rows = attn.w_qkv.weight[(attn.n_heads + attn.n_kv_heads) * attn.head_dim:]
             _tn(v_rows, std * beta)
         _tn(attn.w_o.weight, out_std)

@@ -24,7 +24,9 @@ from hybridnorm.nn.rope import rope_tables
 
 
 class TransformerLM(nn.Module):
-    def __init__(self, config) -> None:  # config: a hybridnorm.config.ModelConfig (nn does not import config)
+    def __init__(self, config, block_class: type[Block] = Block) -> None:
+        # config: a hybridnorm.config.ModelConfig (nn does not import config). block_class: Block, or a subclass
+        # that adds behaviour around the same computation (the HF classes' transformers checkpointing layer)
         super().__init__()
         config.validate()
         self.config = config
@@ -37,7 +39,7 @@ class TransformerLM(nn.Module):
         self.embed = nn.Embedding(V, d)
         self.embed_norm = norm() if placement.embed_norm else None
         self.blocks = nn.ModuleList(
-            Block(config, spec, layer) for layer, spec in enumerate(placement.blocks(config.n_layers)))
+            block_class(config, spec, layer) for layer, spec in enumerate(placement.blocks(config.n_layers)))
         self.final_norm = norm() if placement.final_norm else None
         self.lm_head = None if config.tie_embeddings else nn.Linear(d, V, bias=False)
         self.register_buffer("rope_cos", None, persistent=False)  # (max_seq_len, D/2), set by reset_rope
@@ -95,27 +97,37 @@ class TransformerLM(nn.Module):
                 raise ValueError(f"position {int(position_ids.max())} exceeds max_seq_len={self.config.max_seq_len}")
             position_ids = position_ids.expand(B, T)
             cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]  # (B, T, D/2)
-        x = self.embed(input_ids)  # (B, T, d)
+        x = self.trunk(self.embed(input_ids), cos, sin, cache, mask)  # (B, T, d)
+        if cache is not None:
+            cache.pos += T
+        out = self.head(x) if targets is None else self._loss(x, targets)  # (B, T, V) logits, or the loss
+        return (out, self.aux_losses()) if return_aux else out
+
+    def trunk(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, mask: Tensor | None = None,
+              block_inputs: list[Tensor] | None = None) -> Tensor:
+        """Token embeddings x (B, T, d) -> the final-normed hidden states (B, T, d) that the head reads:
+        embedding norm, every block, final norm. ``cos``/``sin`` are the RoPE tables at the tokens' positions
+        ((T, D/2) or (B, T, D/2)); ``mask`` is passed to every attention unchanged. ``block_inputs``, a list,
+        receives each block's input (the HF wrapper's ``output_hidden_states``). Does not advance ``cache.pos``:
+        the caller does (a transformers cache counts its own tokens)."""
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         for block in self.blocks:
+            if block_inputs is not None:
+                block_inputs.append(x)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # non-reentrant: gradients also reach what escapes the block besides x (MoE aux losses)
                 x = checkpoint(block, x, cos, sin, cache, mask, use_reentrant=False)
             else:
                 x = block(x, cos, sin, cache, mask)
-        if cache is not None:
-            cache.pos += T
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        out = self._head(x) if targets is None else self._loss(x, targets)  # (B, T, V) logits, or the loss
-        return (out, self.aux_losses()) if return_aux else out
+        return self.final_norm(x) if self.final_norm is not None else x
 
     def _head_weight(self) -> Tensor:
         """The LM head's (V, d) weight: the untied head's, or the embedding's when tied."""
         return self.lm_head.weight if self.lm_head is not None else self.embed.weight
 
-    def _head(self, x: Tensor) -> Tensor:
+    def head(self, x: Tensor) -> Tensor:
+        """Logits (B, T, V) of final-normed hidden states x (B, T, d) (see :meth:`trunk`)."""
         # an untied head is called as a module, so that its hooks fire
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self._head_weight())  # (B, T, V)
 
@@ -125,7 +137,7 @@ class TransformerLM(nn.Module):
         fast = self.config.fast_kernels
         if kernels.active(fast) and x.device.type == "cpu" and (self.lm_head is None or not has_hooks(self.lm_head)):
             return kernels.linear_cross_entropy(x.flatten(0, 1), self._head_weight(), targets.flatten())
-        return lm_loss(self._head(x), targets, fast=fast)
+        return lm_loss(self.head(x), targets, fast=fast)
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The MoE losses of the last forward, averaged over layers, and their weighted sum

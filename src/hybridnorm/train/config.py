@@ -8,13 +8,15 @@ doing something else.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from hybridnorm.config import ModelConfig
-from hybridnorm.config_base import Config, bounded, read_file
+from hybridnorm.config_base import Config, bounded, check_bounds, check_fields, coerce, read_file
 from hybridnorm.data.tokenizer import MIN_BPE_VOCAB
 from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.errors import ConfigError
@@ -111,6 +113,11 @@ class TrainConfig(Config):
         replace the model's, except vocab_size, which always follows the tokenizer), then the overrides."""
         overrides = list(overrides or [])
         data = read_file(path) if path else {}
+        if size and path:  # the preset replaces the file's model section: its values are still checked
+            try:
+                check_types(cls, data, "")
+            except ConfigError as e:
+                raise ConfigError(f"config file {path}: {e}") from None
         if size:
             preset = ModelConfig.preset(size)
             preset.pop("vocab_size")
@@ -120,6 +127,26 @@ class TrainConfig(Config):
             if "seq_len" not in user_keys and "seq_len" not in data:
                 data["seq_len"] = min(cls.seq_len, preset["max_seq_len"])  # the default may exceed a small preset's
         return cls.from_data(data, overrides, source=path)
+
+
+def check_types(cls: type[Config], data: Any, where: str) -> None:
+    """Each field ``data`` gives (recursing into sections) is known and has its declared type and bounds;
+    the sections' cross-field rules are left to the final config, which a preset or override may change."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a section (mapping of fields), got {type(data).__name__} "
+                          f"{data!r:.60}")
+    check_fields(where or "train config", data, cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, tp, label = data[f.name], hints[f.name], cls.label(f.name)
+        section = next((a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, Config)),
+                       None)
+        if section is not None and isinstance(value, dict):
+            check_types(section, value, label)
+            continue
+        check_bounds(label, coerce(label, value, tp), f.metadata.get("bounds", {}))
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -53,7 +53,9 @@ def evaluate_run(run: Run, source: str | None = None, batch_size: int = 8, seq_l
         raise ConfigError(f"validation split of {source or run.config.data.source} has {len(val)} tokens, "
                           f"fewer than seq_len + 1 = {seq_len + 1}")
     total, count = 0.0, 0
+    device = next(run.model.parameters()).device  # where `eval --device` put the model
     for x, y in val_batches(val, batch_size, seq_len, max_batches):
+        x, y = x.to(device), y.to(device)
         total += lm_loss(run.model(x), y).item() * y.numel()
         count += y.numel()
     return (total / count if count else math.nan), count

@@ -23,8 +23,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
-from hybridnorm.train.preflight import check_writable_dir
+from hybridnorm.train.preflight import check_output_folder
 
 LOCK_NAME = "train.lock"
 
@@ -36,7 +37,7 @@ class RunFolderBusy(ConfigError):
 def check_out_dir(run_dir: Path) -> None:
     """Refuse (:class:`ConfigError`) a file, a path under a file, or a folder that cannot be written (see
     :func:`check_writable_dir`); then create ``run_dir``: the lock file goes inside it."""
-    check_writable_dir(run_dir, "out_dir")
+    check_output_folder(run_dir, "out_dir (--out)", may_hold=("run",))  # never into a folder of the user's other files
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -46,7 +47,7 @@ def check_out_dir(run_dir: Path) -> None:
 def _holder(fd: int) -> str:
     """Who holds the lock, from what it wrote into the file (it may not have written yet)."""
     try:
-        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        info = plain_data.loads(os.pread(fd, 4096, 0))
         return f"pid {info['pid']} on host {info['host']}, running since {info['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that is just starting (no pid recorded yet)"

@@ -16,6 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from hybridnorm import plain_data
+
 # Record kinds written to metrics.jsonl and TensorBoard but not echoed: a per-layer ``diag`` record holds
 # ~100 numbers, which would bury the progress line.
 SILENT_KINDS = ("diag", "meta")
@@ -101,8 +103,8 @@ def _purge_after(path: Path, step: int) -> None:
     keep = []
     for line in lines:
         try:
-            rec = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
+            rec = plain_data.loads(line)
+        except ValueError:
             continue  # torn by a kill
         rec_step = rec.get("step", 0) if isinstance(rec, dict) else None
         if not isinstance(rec_step, int) or isinstance(rec_step, bool) or rec_step <= step:

@@ -187,7 +187,9 @@ def plan(opts: PlanOptions) -> Plan:
     for mode, (p, g, o, buf) in states.items():
         fixed = p + g + o + buf
         fits[mode] = tuple(_largest_fitting(fixed, act(T, ck), budget) for ck in (False, True))
-    mb = opts.micro_batch or max(1, fits["fsdp"][0])
+    _check_something_fits(opts, fits, {m: sum(s) for m, s in states.items()}, act(T, True), budget)
+    # the default: FSDP's largest without recompute, else (only checkpointing fits) the largest with it
+    mb = opts.micro_batch or fits["fsdp"][0] or max(f[1] for f in fits.values())
     accum = max(1, math.ceil(opts.global_batch_tokens / (mb * T * opts.gpus)))
     modes = []
     for mode, (p, g, o, buf) in states.items():
@@ -197,23 +199,53 @@ def plan(opts: PlanOptions) -> Plan:
     return Plan(opts, n, mb, accum, budget, modes)
 
 
+def _check_something_fits(opts: PlanOptions, fits: dict[str, tuple[int, int]], states: dict[str, int],
+                          one_seq_ckpt: int, budget: int) -> None:
+    """ConfigError naming the options when not one sequence fits anywhere, or when the given
+    ``--micro-batch`` fits in no mode, not even with activation checkpointing."""
+    best = max(f[1] for f in fits.values())  # checkpointing never needs more than running without it
+    where = ", ".join(f"{m.upper()} {f[0]} ({f[1]} with checkpointing)" for m, f in fits.items())
+    if best == 0:
+        need = min(states.values()) + one_seq_ckpt
+        raise ConfigError(f"nothing fits: not one sequence of --seq-len={opts.seq_len} fits in "
+                          f"--gpu-mem={opts.gpu_mem:g} GiB per GPU ({budget / GIB:.2f} GiB usable after the "
+                          f"{opts.headroom:.0%} headroom) under "
+                          f"DDP or FSDP, even with activation checkpointing: it needs at least {need / GIB:.2f} GiB "
+                          f"usable; raise --gpu-mem, add --gpus or lower --seq-len")
+    if opts.micro_batch is not None and opts.micro_batch > best:
+        raise ConfigError(f"--micro-batch={opts.micro_batch} does not fit in --gpu-mem={opts.gpu_mem:g} GiB per GPU "
+                          f"at --seq-len={opts.seq_len}: the largest micro-batch that fits is {best} (largest per "
+                          f"mode: {where})")
+
+
 def _gib(x: int) -> str:
-    return f"{x / GIB:8.2f}"
+    return f"{x / GIB:.2f}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    """Columns as wide as their widest cell, two spaces apart: numbers of any size never run together."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            for r in rows]
 
 
 def format_plan(pl: Plan) -> str:
     """The plan as a plain-text table, GiB per GPU."""
     o = pl.options
+    fits = [f"{m.mode.upper()}{' with checkpointing' if ck else ''}" for ck in (False, True) for m in pl.modes
+            if pl.micro_batch <= (m.max_micro_batch_ckpt if ck else m.max_micro_batch)]
     lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {o.gpus} GPUs x {o.gpu_mem:g} GiB "
              f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len}, {o.precision}",
              f"micro-batch {pl.micro_batch} x grad_accum {pl.grad_accum} x {o.gpus} GPUs = {pl.global_tokens:,} "
              f"tokens per step (target {o.global_batch_tokens:,})",
-             f"{'GiB per GPU':<12}{'params':>9}{'grads':>9}{'AdamW':>9}{'buffers':>9}{'act':>9}{'act+ckpt':>9}"
-             f"{'total':>9}{'w/ ckpt':>9}{'max mb':>8}{'w/ ckpt':>8}"]
+             f"micro-batch {pl.micro_batch} fits under: {', '.join(fits)}"]
+    rows = [["GiB per GPU", "params", "grads", "AdamW", "buffers", "act", "act+ckpt", "total", "w/ ckpt",
+             "max mb", "w/ ckpt"]]
     for m in pl.modes:
-        lines.append(f"{m.mode.upper():<12}{_gib(m.params):>9}{_gib(m.grads):>9}{_gib(m.optim):>9}"
-                     f"{_gib(m.buffers):>9}{_gib(m.act):>9}{_gib(m.act_ckpt):>9}{_gib(m.states + m.act):>9}"
-                     f"{_gib(m.states + m.act_ckpt):>9}{m.max_micro_batch:>8}{m.max_micro_batch_ckpt:>8}")
+        rows.append([m.mode.upper(), *map(_gib, (m.params, m.grads, m.optim, m.buffers, m.act, m.act_ckpt,
+                                                  m.states + m.act, m.states + m.act_ckpt)),
+                     str(m.max_micro_batch), str(m.max_micro_batch_ckpt)])
+    lines += _table(rows)
     lines.append("buffers: DDP reduction buckets + autocast bf16 weight copies; FSDP gathered weights, one block's "
                  "unsharded gradient, and no_sync's unsharded gradients when grad_accum > 1. Lower bounds: "
                  "fragmentation and kernels' workspaces are what the headroom is for.")

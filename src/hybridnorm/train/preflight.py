@@ -22,13 +22,23 @@ can be read (other systems, other devices) the check is skipped rather than gues
 parent a folder, and the nearest existing one writable, proven by creating and deleting a probe file (a
 read-only file system, a full quota); a folder whose permission bits deny writing to everyone is refused
 even for root, who could write anyway, because read-only is what its owner asked for.
+
+**One rule for what an output folder may already hold** (:func:`check_output_folder`), shared by every
+command that writes a run or a Hugging Face folder (``train --out``, ``import --out``, ``export --to hf``):
+it may be missing or empty; a non-empty folder only if it is of the command's own kind (a run folder for
+``train``, which resumes or refuses there by its own rules; nothing for ``import`` and ``export``, which
+make new folders); and never the command's input or a folder inside it. Files a user keeps there (their own
+``config.yaml``, a source model's ``tokenizer.json``) are therefore never overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +74,18 @@ def param_count(mc: Any) -> int:
     return embed + L * (attn + ffn + norms) + 2 * 2 * d  # + embedding and final norms
 
 
+def rope_bytes(mc: Any) -> int:
+    """Bytes building the RoPE tables takes at its peak (``nn.rope.rope_tables``): float64 angles and their
+    cos or sin, then the two fp32 tables, (max_seq_len, head_dim / 2) each. Allocated whatever the weights,
+    so a huge ``model.max_seq_len`` alone can exhaust memory."""
+    return mc.max_seq_len * (mc.head_dim // 2) * (8 + 8 + 4 + 4) + 8 * mc.max_seq_len
+
+
 def estimate_bytes(mc: Any, *, training: bool, copies: int = 1) -> int:
-    """Bytes the model's parameters (and for training their gradients and AdamW state) occupy at least."""
+    """Bytes the model's parameters (and for training their gradients and AdamW state) and its RoPE tables
+    occupy at least."""
     per_param = TRAIN_BYTES_PER_PARAM if training else FP32_BYTES * copies
-    return param_count(mc) * per_param
+    return param_count(mc) * per_param + rope_bytes(mc)
 
 
 def _read_int(path: Path) -> int | None:
@@ -128,7 +146,7 @@ def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, c
     device = torch.device(device)
     need = estimate_bytes(mc, training=training, copies=copies)
     if training and shards > 1:
-        need = max(estimate_bytes(mc, training=False), -(-need // shards))
+        need = max(estimate_bytes(mc, training=False), -(-(need - rope_bytes(mc)) // shards) + rope_bytes(mc))
     free = available_bytes(device)
     if free is None or need <= free[0]:
         return
@@ -137,6 +155,11 @@ def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, c
            + (f" / {shards} FSDP shards, at least the whole fp32 model while it is built" if shards > 1 else "")
            if training else f"{n:,} parameters x {FP32_BYTES} bytes (fp32)" + (f" x {copies} copies while loading"
                                                                               if copies > 1 else ""))
+    rope = rope_bytes(mc)
+    if rope > need // 2:  # the tables, not the weights, are what cannot fit: name their field
+        raise ConfigError(f"model.max_seq_len={mc.max_seq_len}: {what} needs at least {_size(need)} on {device}, "
+                          f"{_size(rope)} of it for the RoPE tables of that many positions, but only "
+                          f"{_size(free[0])} is available ({free[1]}); use a smaller model.max_seq_len")
     raise ConfigError(f"{what} needs at least {_size(need)} on {device} ({how}; activations come on top) but only "
                       f"{_size(free[0])} is available ({free[1]}); use a smaller model (model.d_model / n_layers / "
                       "vocab) or a machine with more memory")
@@ -179,3 +202,74 @@ def check_writable_dir(path: str | Path, what: str = "output folder") -> Path:
     except OSError as e:  # EACCES, EROFS, EDQUOT, ENOSPC: say which, on one line
         raise ConfigError(f"{what} {path}: cannot write in {existing}: {e.strerror or e}") from None
     return path
+
+
+# What makes a folder a run folder: what only the trainer, ``import`` or a grid write (the lock from the
+# trainer's first moment on). Not config.yaml: users keep their own configs under that name.
+RUN_MARKERS = ("checkpoints", "metrics.jsonl", "point.json", "train.lock")
+# ... and a report folder of `compare`/`sweep`: its grid's runs and its summary
+REPORT_MARKERS = ("runs", "summary.md")
+
+
+def folder_kind(path: Path) -> str:
+    """"missing", "empty", "run" (any of :data:`RUN_MARKERS`), "report" (:data:`REPORT_MARKERS`) or "other"
+    (a non-empty folder of anything else)."""
+    if not path.exists():
+        return "missing"
+    try:
+        entries = [p.name for p in path.iterdir()]
+    except OSError as e:
+        raise ConfigError(f"cannot list {path}: {e.strerror or e}") from None
+    if not entries:
+        return "empty"
+    if any(m in entries for m in RUN_MARKERS):
+        return "run"
+    return "report" if any(m in entries for m in REPORT_MARKERS) else "other"
+
+
+@contextlib.contextmanager
+def staged_folder(out: Path, what: str) -> Iterator[Path]:
+    """A hidden folder beside ``out`` to write into, renamed to ``out`` (a missing or empty folder) when the
+    block succeeds and removed when it fails: a failed or interrupted write leaves no half folder, and a
+    folder that someone filled meanwhile is not touched (the rename is refused)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700; the folder gets the usual mode
+        os.rename(tmp, out)
+    except OSError as e:
+        raise ConfigError(f"{what} {out}: cannot write: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; removed on any failure
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_output_folder(path: str | Path, what: str, *, may_hold: tuple[str, ...] = (),
+                        inputs: Iterable[str | Path | None] = ()) -> Path:
+    """The one output-folder rule (module docstring): ConfigError naming ``path`` (as ``what``, e.g.
+    "--out") unless it is writable (:func:`check_writable_dir`), is none of ``inputs`` and lies inside none
+    of them, and is missing, empty, or of a kind in ``may_hold`` (``"run"``). Creates nothing."""
+    path = check_writable_dir(path, what)
+    here = path.resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(given).resolve()
+        if source.is_dir() and _inside(here, source):
+            raise ConfigError(f"{what} {path} is {'the input folder' if here == source else 'inside the input folder'}"
+                              f" {given}: the command never writes into what it reads; choose another folder")
+    kind = folder_kind(path)
+    if kind in ("missing", "empty") or kind in may_hold:
+        return path
+    names = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} entries)" if len(names) > 4 else "")
+    allowed = "a new or empty folder" + ("" if not may_hold else f" or a {' or '.join(may_hold)} folder")
+    held = "files of its own" if kind == "other" else f"a {kind}"
+    raise ConfigError(f"{what} {path} is not empty: it holds {held} ({shown}) and needs to be {allowed}; "
+                      "nothing there was changed, choose another folder")

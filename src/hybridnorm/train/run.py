@@ -15,6 +15,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_weights
 from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.tensor_check import DTYPE_NAMES, check_finite, check_header_dtypes
 
 
 @dataclass
@@ -54,6 +55,10 @@ def open_run(path: str | Path) -> Run:
                           f"tokens but {run_dir / 'config.yaml'} gives the model vocab_size {cfg.model.vocab_size} "
                           "(a smaller tokenizer could not decode every id the model emits)")
     model = TransformerLM(cfg.model)
+    # the model files' headers must claim the model's own dtype (fp32): load_weights checks names and shapes
+    files = sorted(ckpt.glob("model*.safetensors"))  # one file, or one per rank of a sharded save
+    check_header_dtypes(files, DTYPE_NAMES[next(model.parameters()).dtype])
     load_weights(ckpt, model)
+    check_finite(model.state_dict().items(), ", ".join(map(str, files)))
     model.eval()
     return Run(run_dir, ckpt, cfg, model, tokenizer)

@@ -1,0 +1,37 @@
+"""The few places where the supported ``transformers`` releases (``pyproject.toml``'s range) differ.
+
+transformers 5.23 renamed the cache argument and output field ``past_key_values`` to ``cache`` (the old name
+is accepted with a deprecation warning until 5.40); earlier 5.x releases know only ``past_key_values``. Our
+``forward`` accepts both names; everything we hand to transformers uses the name the installed release
+expects, found once here by looking at its own signatures rather than by parsing version strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from torch import Tensor
+from transformers import masking_utils
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# the name transformers' outputs (and generate's model kwargs) use for the KV cache
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+# the name create_causal_mask takes it by
+_MASK_CACHE_ARG = "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters \
+    else "past_key_values"
+
+
+def causal_mask(config: Any, inputs_embeds: Tensor, attention_mask: Tensor | None, cache: Any,
+                position_ids: Tensor) -> Any:
+    """transformers' ``create_causal_mask``: the mask in the form ``config._attn_implementation`` expects
+    (a bool (B, 1, T, S) tensor for sdpa, an additive float one for eager, None where sdpa's ``is_causal``
+    suffices), for a 2-D padding mask, a prepared 4-D mask, a static cache's full length, packed sequences."""
+    return masking_utils.create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                            position_ids=position_ids, **{_MASK_CACHE_ARG: cache})
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """``{<the installed release's cache field>: cache}``, for an output dataclass."""
+    return {CACHE_FIELD: cache}

@@ -1,0 +1,116 @@
+"""``HybridNormConfig``: a transformers config that carries a whole :class:`hybridnorm.ModelConfig`.
+
+The standard fields (``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ...) are what transformers and
+every tool around it read and write (generation caches, ``resize_token_embeddings``, lm-eval, memory
+estimators, transformers' own model tests), so they are the truth for the sizes they name. Everything else
+our model needs (the placement written out as data, norm kind, init, MoE, ...) lives in ``hybridnorm``, the
+ModelConfig as a dict. :meth:`HybridNormConfig.model_config` merges the two at the moment a model is built,
+and the dict is brought in line with the standard fields whenever the config is serialized, so the two
+never disagree in a saved ``config.json``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from transformers import PretrainedConfig
+
+from hybridnorm.config import ModelConfig
+
+MODEL_TYPE = "hybridnorm"
+
+# HF field -> ModelConfig field, for the sizes both name (vocab_size is handled apart: HF's counts rows)
+_SIZE_FIELDS = {"hidden_size": "d_model", "intermediate_size": "ffn_hidden_size", "num_hidden_layers": "n_layers",
+                "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+                "head_dim": "attn_head_dim", "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps",
+                "rope_theta": "rope_theta"}
+
+
+class HybridNormConfig(PretrainedConfig):
+    """``hybridnorm``: the :class:`hybridnorm.ModelConfig` as a dict (placement as data); the standard
+    size fields and ``tie_word_embeddings``, where given, override it. ``placement`` names a preset or
+    grammar name for a config built from standard fields alone (``HybridNormConfig(hidden_size=64, ...,
+    placement="hybridnorm_star")``); a config with a ``hybridnorm`` dict keeps the dict's placement and
+    shows its name here."""
+
+    model_type = MODEL_TYPE
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "cache"]
+
+    hybridnorm: dict | None = None
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    placement: str | None = None
+    attention_dropout: float = 0.0
+    use_cache: bool = True
+    # TransformerLM ties the head itself (no lm_head module when tied), so transformers has nothing to tie;
+    # like the size fields, this one is the truth for ModelConfig.tie_embeddings
+    tie_word_embeddings: bool | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.hybridnorm and self.tie_word_embeddings is not None \
+                and self.tie_word_embeddings != self.hybridnorm.get("tie_embeddings", ModelConfig.tie_embeddings):
+            # config.json of exports before 2026-11 always said false (that class never let transformers tie):
+            # where the two disagree on reading, the dict, which built the weights, is the truth
+            self.tie_word_embeddings = None
+        self._sync()
+        super().__post_init__(**kwargs)
+
+    def model_config(self) -> ModelConfig:
+        """The ModelConfig this config describes: the ``hybridnorm`` dict with the standard size fields
+        applied, the placement resolved to a dict (self-contained). Raises ConfigError naming a bad field."""
+        if self.hybridnorm:
+            d = dict(self.hybridnorm)
+        else:  # built from the standard fields alone: the ModelConfig defaults fill the rest
+            d = {"placement": self.placement or ModelConfig.placement}
+        if self.tie_word_embeddings is not None:
+            d["tie_embeddings"] = self.tie_word_embeddings
+        for hf_name, name in _SIZE_FIELDS.items():
+            if getattr(self, hf_name, None) is not None:
+                d[name] = getattr(self, hf_name)
+        mc = ModelConfig.from_dict(d)
+        if self.vocab_size is not None and self.vocab_size != mc.embedding_size:
+            # HF's vocab_size counts embedding rows (resize_token_embeddings sets it): no padding on top
+            mc = ModelConfig.from_dict({**d, "vocab_size": self.vocab_size, "pad_vocab_multiple": 1})
+        mc.placement = mc.resolved_placement().to_dict()
+        return mc
+
+    def _sync(self) -> None:
+        """Every field from one ModelConfig: the dict and the standard fields agree from here on."""
+        mc = self.model_config()
+        self.hybridnorm = _plain(mc.to_dict())
+        self.vocab_size = mc.embedding_size
+        self.hidden_size, self.intermediate_size = mc.d_model, mc.ffn_hidden_size
+        self.num_hidden_layers, self.num_attention_heads = mc.n_layers, mc.n_heads
+        self.num_key_value_heads, self.head_dim = mc.kv_heads, mc.head_dim
+        self.max_position_embeddings = mc.max_seq_len
+        self.rms_norm_eps, self.rope_theta = mc.norm_eps, mc.rope_theta
+        self.placement = mc.resolved_placement().name
+        self.tie_word_embeddings = mc.tie_embeddings
+
+    def to_dict(self) -> dict[str, Any]:
+        self._sync()  # a size changed after construction (resize_token_embeddings) reaches the dict too
+        return super().to_dict()
+
+    @classmethod
+    def from_model_config(cls, mc: ModelConfig, **kwargs: Any) -> HybridNormConfig:
+        return cls(hybridnorm=mc.to_dict(), **kwargs)
+
+
+def _plain(x: Any) -> Any:
+    """Tuples -> lists, recursively: the dict must survive a JSON round trip unchanged."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x

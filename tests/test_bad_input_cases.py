@@ -1,0 +1,119 @@
+"""The single cases of issue 24 that are not a generated class: values a preset replaces, a device that is
+not there, a plan where nothing fits, a size that cannot be allocated, text that is not UTF-8. Each goes
+through the real command line: exit 2, one ``error:`` line naming the option or field, no traceback."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from bad_input_helpers import assert_refused, make_hf_and_run
+from hypothesis import given
+from test_config_fuzz import FUZZ, values
+
+from hybridnorm.cli import main
+from hybridnorm.train.config import TrainConfig
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_hf_and_run(tmp_path_factory.mktemp("cases"))[1]
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("model: 5\n", "model=5 must be a section"),
+    ("model:\n  d_model: abc\n", "model.d_model='abc' must be an integer"),
+    ("model:\n  n_layers: -3\n", "model.n_layers=-3 must be >= 1"),
+    ("model:\n  colour: red\n", "unknown field 'colour'"),
+    ("model:\n  moe:\n    top_k: x\n", "model.moe.top_k='x'"),
+])
+def test_file_values_are_checked_even_when_size_replaces_the_section(tmp_path, capsys, text, needle) -> None:
+    f = tmp_path / "cfg.yaml"
+    f.write_text(text)
+    assert_refused(["train", str(f), "--size", "tiny", "--out", str(tmp_path / "out")], capsys,
+                   [str(f), needle], tmp_path)
+
+
+@FUZZ
+@given(value=values)
+def test_a_size_never_makes_a_wrong_model_section_right(tmp_path_factory, value) -> None:
+    """--size may replace the file's model values but never makes a wrong one right."""
+    f = tmp_path_factory.mktemp("cfg") / "cfg.yaml"
+    import yaml
+    f.write_text(yaml.safe_dump({"model": value}))
+    from hybridnorm.errors import ConfigError
+    from hybridnorm.train.config import check_types
+    try:
+        check_types(TrainConfig, {"model": value}, "")
+        typed = True
+    except ConfigError:
+        typed = False
+    try:
+        TrainConfig.from_cli(f, [], size="tiny")
+        assert typed, value
+    except ConfigError as e:
+        assert not typed or "model" in str(e)  # a typed section can still break a cross-field rule
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("extra", [[], ["--text", "kjv"], ["--mc", "nowhere.jsonl"]])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "meta", "nonsense"])
+def test_eval_device_that_is_not_there_is_refused_before_any_work(run, tmp_path, capsys, device, extra) -> None:
+    assert_refused(["eval", str(run), "--device", device, *extra], capsys, [f"--device={device!r}"], tmp_path)
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--gpu-mem", "0.001"], ["nothing fits", "--gpu-mem=0.001", "--seq-len=4096"]),
+    (["--size", "tiny", "--seq-len", "128", "--gpu-mem", "0.0000001"], ["nothing fits", "--gpu-mem="]),
+    (["--micro-batch", "100000"], ["--micro-batch=100000 does not fit", "largest micro-batch that fits is"]),
+])
+def test_plan_says_when_nothing_or_the_given_micro_batch_does_not_fit(tmp_path, capsys, argv, needles) -> None:
+    assert_refused(["plan", *argv], capsys, needles, tmp_path)
+
+
+@pytest.mark.parametrize("argv", [[], ["--micro-batch", "20"], ["--gpu-mem", "20"], ["--size", "tiny", "--seq-len",
+                                                                                     "128", "--micro-batch", "9999"]])
+def test_plan_table_columns_never_run_together(capsys, argv) -> None:
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("micro-batch") and "fits under" in line for line in out)
+    header = next(i for i, line in enumerate(out) if line.startswith("GiB per GPU"))
+    cells = [re.split(r"\s{2,}", line.strip()) for line in out[header:header + 3]]
+    assert [len(c) for c in cells] == [11, 11, 11], cells  # every column apart, however large its numbers
+
+
+@pytest.mark.parametrize("value", ["1000000000000", "10000000000000000000000000"])
+def test_a_size_that_cannot_be_allocated_names_its_field(tmp_path, capsys, corpus, cache_dir, value) -> None:
+    argv = ["train", "--size", "tiny", "--max-steps", "1", "--data.tokenizer=bytes", f"--data.source={corpus}",
+            f"--data.cache_dir={cache_dir}", "--device=cpu", f"--model.max_seq_len={value}",
+            "--out", str(tmp_path / "out")]
+    assert_refused(argv, capsys, [f"model.max_seq_len={value}", "RoPE tables"], tmp_path)
+
+
+def test_a_prompt_or_a_config_string_that_is_not_utf8_is_named(run, tmp_path, capsys) -> None:
+    bad = b"in the \xff beginning".decode("utf-8", "surrogateescape")  # how Python passes such argv bytes
+    assert_refused(["generate", str(run), "--prompt", bad], capsys, ["--prompt=", "not valid UTF-8"], tmp_path)
+    assert_refused(["train", "--size", "tiny", f"--data.source={bad}", "--out", str(tmp_path / "o")], capsys,
+                   ["data.source=", "not valid UTF-8"], tmp_path)
+
+
+def test_in_a_real_process_raw_bytes_and_a_lying_file_are_one_line(run, tmp_path) -> None:
+    """The same promises from a real ``python -m hybridnorm.cli`` (argv bytes as a shell passes them, the
+    interpreter's own stderr encoding): exit 2, one ``error:`` line, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    cases = [[b"generate", os.fsencode(run), b"--prompt", b"in the \xff beginning"],
+             [b"import", os.fsencode(run), b"--out", os.fsencode(run)],  # a run is no HF folder: named first
+             [b"plan", b"--gpu-mem", b"0.001"]]
+    for argv in cases:
+        p = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *argv], capture_output=True, timeout=600)
+        err = p.stderr.decode("utf-8", "replace")
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (argv, err)
+        assert "Traceback" not in err
