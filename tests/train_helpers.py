@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
+import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -117,3 +120,41 @@ def poison_weight_at(monkeypatch, layer: int, train_forward: int) -> None:
         return original(self, x, *args, **kwargs)
 
     monkeypatch.setattr(Block, "forward", forward)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun puts its workers in sessions of their own: no group kill)."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return out
+    for task in tasks:
+        try:
+            kids = [int(p) for p in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for kid in kids:
+            out += [kid, *_descendants(kid)]
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process under it."""
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)``, but a command still running after
+    ``timeout`` seconds is killed with every process under it (a hung torchrun's workers too), and the test
+    fails saying so instead of leaving processes behind."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        proc.communicate()
+        pytest.fail(f"still running after {timeout} s, killed: {' '.join(cmd)}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -14,9 +14,9 @@ import typing
 import warnings
 
 from hybridnorm.config_base import is_utf8, parse_text
-from hybridnorm.errors import ConfigError
+from hybridnorm.errors import CollectiveError, ConfigError
 
-EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def _config(args: argparse.Namespace, extra: list[str]):  # -> TrainConfig (imported lazily: fast --help)
@@ -49,14 +49,12 @@ def _join_spaced_overrides(argv: list[str], own_options: set[str]) -> list[str]:
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.train.preflight import check_output_folder
-    from hybridnorm.train.stop import process_signals
     from hybridnorm.train.trainer import train
 
     cfg = _config(args, extra)
     # the trainer applies the same rule to out_dir alone; here it also knows the corpus folder it reads
     check_output_folder(cfg.out_dir, "out_dir (--out)", may_hold=("run",), inputs=[cfg.data.source])
-    with process_signals():  # a repeated SIGINT/SIGTERM cannot break a stop's save or its exit 130
-        result = train(cfg, resume=args.resume)
+    result = train(cfg, resume=args.resume)  # under main's process_signals
     if result.diverged:
         return EXIT_DIVERGED
     if result.interrupted:
@@ -342,9 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     words = sys.argv[1:] if argv is None else list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
+    if command != "train":
+        return _main(words, command, argv)
+    from hybridnorm.train.stop import process_signals  # stdlib only: installed before torch is imported
+
+    # SIGINT/SIGTERM from here on: a stop at start-up is "interrupted:" and 130, a stop in the loop saves
+    # first, and a repeated signal cannot break either or the exit 130 after it
+    with process_signals():
+        return _main(words, command, argv)
+
+
+def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
+    parser = build_parser()
     overrides: list[str] = []
     if command in ("train", "compare", "sweep"):
         own = parser.own_options[command]
@@ -374,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, whatever the message
         return EXIT_BAD_INPUT
+    except CollectiveError as e:  # a late or lost rank under torchrun
+        if args.debug:
+            raise
+        print(f"error: {e}; resume from the newest complete checkpoint with --resume", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("interrupted: checkpoints are saved; run the same command again to continue", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -131,3 +131,42 @@ def test_signals_before_the_loop_stop_at_once_and_a_second_one_changes_nothing(c
         output = _stopped_output(proc, log)
     assert "already stopping" in output
     assert list_checkpoints(run / "checkpoints") == [] and not (run / "train.lock").exists()
+
+
+# Holds the first import of torch (the first second of a `hybridnorm train`: everything heavy comes after)
+# until the test has signalled; then the import goes on as usual.
+IMPORT_WRAPPER = textwrap.dedent('''
+    import runpy, sys, time
+    from pathlib import Path
+
+    marker = sys.argv[1]
+
+    class HoldTorch:
+        def find_spec(self, name, path=None, target=None):
+            flag = Path(f"{marker}.torch")
+            if name == "torch" and not flag.exists():
+                flag.write_text("held", encoding="utf-8")
+                while not Path(f"{marker}.torch.go").exists():
+                    time.sleep(0.01)
+            return None  # the usual finders import it
+
+    sys.meta_path.insert(0, HoldTorch())
+    sys.argv = ["hybridnorm", *sys.argv[2:]]
+    runpy.run_module("hybridnorm.cli", run_name="__main__")
+''')
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_torch_is_still_importing_is_interrupted_and_130(corpus, cache_dir, tmp_path, sig):
+    """The handling is installed before any start-up work: a signal during the import of torch (before the
+    config is even read) is the same ``interrupted:`` line and exit 130, no traceback, no run folder."""
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(IMPORT_WRAPPER, encoding="utf-8")
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start_trainer([*tiny_overrides(corpus, cache_dir, run), "--max_steps=100000"], log,
+                         wrapper=[str(wrapper), str(tmp_path / "held")])
+    with _reaped(proc):
+        _signal_while_held(proc, sig, tmp_path, "torch", log)
+        output = _stopped_output(proc, log)
+    assert "interrupted:" in output
+    assert not (run / "checkpoints").exists()

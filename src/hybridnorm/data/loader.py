@@ -2,10 +2,13 @@
 process or is split over DDP ranks.
 
 An epoch is a seeded permutation of the ``(N-1)//T`` non-overlapping windows of ``T+1`` tokens, shifted
-by a seeded offset (so window boundaries move between epochs). Step ``s`` takes the ``s``-th run of
-``batch_size*world_size`` windows from that permutation; rank ``r`` gets its ``r``-th block of
-``batch_size``. Everything is a pure function of ``(seed, epoch, step)``: no hidden RNG state, so
-``state_dict()`` is two integers and a resumed run sees exactly the batches it would have seen.
+by a seeded offset (so window boundaries move between epochs). Optimizer step ``s`` takes the ``s``-th run
+of ``global_batch = batch_size*world_size*grad_accum`` windows from that permutation; its micro-batch ``m``
+is the ``m``-th block of ``batch_size*world_size`` of them, and rank ``r`` gets that block's ``r``-th
+``batch_size``. So the windows of a step — and the epochs — depend on the global batch only, not on how it
+is split into processes and accumulation: a run resumes under any split of the same global batch.
+Everything is a pure function of ``(seed, epoch, step)``: no hidden RNG state, so ``state_dict()`` is two
+integers and a resumed run sees exactly the batches it would have seen.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ def _to_batch(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[tor
 
 class TokenBatches:
     """An endless iterator of ``(inputs, targets)``, int64 tensors of shape ``(batch_size, seq_len)``;
-    ``targets`` is ``inputs`` shifted left by one token. ``batch_size`` is per rank."""
+    ``targets`` is ``inputs`` shifted left by one token. ``batch_size`` is per rank and micro-batch; each
+    optimizer step is ``grad_accum`` consecutive items."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1) -> None:
         _check(tokens, batch_size, seq_len)
         if not isinstance(seed, int) or seed < 0:
             raise ConfigError(f"seed={seed!r} must be a non-negative integer")
@@ -45,15 +49,18 @@ class TokenBatches:
                 and 0 <= rank < world_size):
             raise ConfigError(f"rank={rank!r}, world_size={world_size!r}: need 0 <= rank < world_size")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
-        self.rank, self.world_size = rank, world_size
-        self.global_batch, self.n_tokens = batch_size * world_size, len(tokens)
+        if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+            raise ConfigError(f"grad_accum={grad_accum!r} must be a positive integer")
+        self.rank, self.world_size, self.grad_accum = rank, world_size, grad_accum
+        self.global_batch, self.n_tokens = batch_size * world_size * grad_accum, len(tokens)
         self.n_windows = (len(tokens) - 1) // seq_len
         self.slack = (len(tokens) - 1) - self.n_windows * seq_len  # room for the per-epoch offset
         self.steps_per_epoch = self.n_windows // self.global_batch
         if self.steps_per_epoch == 0:
             raise ConfigError(f"the data has {len(tokens)} tokens = {self.n_windows} windows of "
-                              f"seq_len={seq_len}, fewer than one global batch of {batch_size}x{world_size}")
-        self.epoch, self.step = 0, 0
+                              f"seq_len={seq_len}, fewer than one global batch of {batch_size}x{world_size}"
+                              + (f"x{grad_accum}" if grad_accum > 1 else ""))
+        self.epoch, self.step, self.micro = 0, 0, 0
         self._plan: tuple[int, np.ndarray, int] | None = None  # (epoch, permutation, offset)
 
     def _epoch_plan(self, epoch: int) -> tuple[np.ndarray, int]:
@@ -62,20 +69,23 @@ class TokenBatches:
             self._plan = (epoch, rng.permutation(self.n_windows), int(rng.integers(0, self.slack + 1)))
         return self._plan[1], self._plan[2]
 
-    def batch_at(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's batch at ``(epoch, step)``, without moving the iterator."""
+    def batch_at(self, epoch: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batch ``micro`` of ``(epoch, step)``, without moving the iterator."""
         if not 0 <= step < self.steps_per_epoch:
             raise ConfigError(f"step={step} is outside the epoch's {self.steps_per_epoch} steps")
         perm, offset = self._epoch_plan(epoch)
-        lo = step * self.global_batch + self.rank * self.batch_size
+        lo = step * self.global_batch + (micro * self.world_size + self.rank) * self.batch_size
         return _to_batch(self.tokens, offset + perm[lo:lo + self.batch_size] * self.seq_len, self.seq_len)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.batch_at(self.epoch, self.step)
-        self.step += 1
+        batch = self.batch_at(self.epoch, self.step, self.micro)
+        self.micro += 1
+        if self.micro < self.grad_accum:
+            return batch
+        self.step, self.micro = self.step + 1, 0
         if self.step == self.steps_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
         return batch
@@ -86,11 +96,17 @@ class TokenBatches:
         return self.global_batch * self.seq_len
 
     def state_dict(self) -> dict[str, int]:
+        """The position at an optimizer-step boundary (where checkpoints are taken)."""
+        if self.micro:
+            raise RuntimeError(f"data state asked {self.micro} micro-batches into a step of {self.grad_accum}")
+        # per_step=1 marks global_batch and step as counted per optimizer step; a state without it is from
+        # before grad_accum was part of the order (counted per micro-batch; hybridnorm.train.batch_split)
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch": self.global_batch, "n_tokens": self.n_tokens}
+                "global_batch": self.global_batch, "n_tokens": self.n_tokens, "per_step": 1}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume where ``state`` left off; the world size may change if the global batch does not."""
+        """Resume where ``state`` left off; the split (world size x batch size x accumulation) may change
+        if the global batch does not."""
         for key in ("seed", "seq_len", "global_batch", "n_tokens"):
             if key in state and state[key] != getattr(self, key):
                 raise ConfigError(f"cannot resume the data order: the checkpoint has {key}={state[key]}, "
@@ -98,7 +114,7 @@ class TokenBatches:
         epoch, step = int(state["epoch"]), int(state["step"])
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
             raise ConfigError(f"cannot resume the data order at epoch={epoch}, step={step}")
-        self.epoch, self.step = epoch, step
+        self.epoch, self.step, self.micro = epoch, step, 0
 
 
 def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None,

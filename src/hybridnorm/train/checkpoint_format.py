@@ -42,7 +42,7 @@ _CUDA_KEY = re.compile(r"^cuda\.[0-9]+$")
 _GROUP_NUMBERS = ("lr", "eps", "weight_decay", "initial_lr")
 _GROUP_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 # the data-loader position TokenBatches.state_dict writes: all integers
-_DATA_KEYS = ("epoch", "step", "seed", "seq_len", "global_batch", "n_tokens")
+_DATA_KEYS = ("epoch", "step", "seed", "seq_len", "global_batch", "n_tokens", "per_step")  # per_step: see loader
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[Path]:

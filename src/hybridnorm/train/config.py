@@ -53,7 +53,10 @@ class TrainConfig(Config):
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=50))
     batch_size: int = bounded(16, ge=1)       # sequences per process per micro-step
-    grad_accum: int = bounded(1, ge=1)
+    grad_accum: int = bounded(1, ge=1)        # micro-batches per optimizer step
+    global_batch: int = bounded(0, ge=0)      # sequences per optimizer step over all processes; 0: processes x
+                                              # batch_size x grad_accum. The run's invariant: a resume keeps the
+                                              # checkpoint's and re-splits it (hybridnorm.train.batch_split)
     seq_len: int = bounded(256, ge=1)
     max_steps: int = bounded(480, ge=0)       # the default job: ~7-8 minutes on 2 CPU cores
     max_minutes: float = bounded(0.0, ge=0)   # stop (and checkpoint) after this wall time; 0 = no limit
@@ -70,6 +73,8 @@ class TrainConfig(Config):
                                               # a single process ignores it (train/parallel.py)
     parallel_replicate: int = bounded(1, ge=1)  # fsdp: R > 1 is HSDP, R replicas x (world / R) shards
     device: str = "auto"                      # auto | cpu | cuda | cuda:N | mps
+    dist_timeout: float = bounded(600.0, gt=0)  # under torchrun: seconds any collective waits for the other
+                                              # ranks before the job fails with an error naming the rank
     seed: int = bounded(0, ge=0)
     log_interval: int = bounded(10, ge=1)
     eval_interval: int = bounded(100, ge=1)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from hybridnorm.errors import ConfigError
+from hybridnorm.errors import CollectiveError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -51,15 +52,35 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
-def init_distributed(device: torch.device) -> Dist:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1); a no-op otherwise."""
+# what gloo / nccl / the store say when a peer is late or gone (gloo raises plain RuntimeErrors)
+_COLLECTIVE_MARKS = ("gloo", "nccl", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed",
+                     "Broken pipe", "ProcessGroup")
+
+
+def collective_error(e: BaseException, d: Dist, timeout_s: float) -> CollectiveError | None:
+    """``e`` as a :class:`CollectiveError` naming this rank and the cause, if it came from the process
+    group; None for any other error (which keeps its own message)."""
+    if not d.enabled or not isinstance(e, RuntimeError):
+        return None
+    text = " ".join(str(e).split())
+    if not (isinstance(e, dist.DistError) or any(m in text for m in _COLLECTIVE_MARKS)):
+        return None
+    cause = (f"waited {timeout_s:g} s (dist_timeout) for another rank, which is stuck or stopped"
+             if "imed out" in text or "imeout" in text else "another rank's process went away (killed or failed)")
+    return CollectiveError(f"rank {d.rank} of {d.world_size}: a collective failed: {cause} [{text[:300]}]")
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
+    """Join the process group when launched by torchrun (WORLD_SIZE > 1); a no-op otherwise. Every
+    collective (and the joining itself) fails after ``timeout_s`` seconds of waiting for another rank."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
     if not dist.is_initialized():
         # On GPU, nccl carries the CUDA tensors (gradients, FSDP's all-gathers) and gloo the small CPU ones the
         # loop reduces (stop flags, eval sums, checkpoint save status): nccl alone refuses CPU tensors.
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -83,6 +104,16 @@ def all_reduce_max(t: torch.Tensor, d: Dist) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
+
+
+def agree(failed: BaseException | None, d: Dist, what: str) -> None:
+    """Every rank learns whether ``what`` failed on any rank, and then all raise: the ranks where it failed
+    their own error, the others a :class:`ConfigError` pointing to it. So a failure on one rank (rank 0's lock
+    or save) is the same collective on every rank, never one rank gone while the others wait for it."""
+    if all_reduce_max(torch.tensor(float(failed is not None)), d).item() > 0:
+        if failed is not None:
+            raise failed
+        raise ConfigError(f"rank {d.rank} of {d.world_size}: {what} failed on another rank (its error says why)")
 
 
 def barrier(d: Dist) -> None:

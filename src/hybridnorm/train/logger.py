@@ -41,7 +41,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step or None)
+                # purge what a killed run logged PAST its checkpoint (step start_step + 1 on), as _purge_after
+                # does for metrics.jsonl; purge_step=start_step also dropped the checkpoint step's own points
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
             except ImportError:
                 self.console.print("[yellow]tensorboard is not installed: metrics go to metrics.jsonl only")
         self.live = self.console.is_terminal

@@ -32,9 +32,12 @@ from hybridnorm.train.config import TrainConfig
 # model fields a resumed run may change: how the math is run, how fresh weights would be drawn (a resumed
 # run draws none), and the longest sequence RoPE tables are built for (no parameter depends on it)
 FREE_MODEL_FIELDS = frozenset({"model.fast_kernels", "model.init", "model.init_std", "model.max_seq_len"})
-# fields that say where things are kept and when to log, save or pause, not what is trained: not reported
+# fields that say where things are kept and when to log, save or pause, not what is trained: not reported.
+# The batch split too: a resume keeps the run's global batch (a different one is refused) and logs the split
+# it derives as a batch_split_derived event (hybridnorm.train.batch_split)
 RUN_CONTROL_FIELDS = frozenset({"out_dir", "data.cache_dir", "max_minutes", "stop_after_steps", "log_interval",
-                                "eval_interval", "ckpt_interval", "keep_last"})
+                                "eval_interval", "ckpt_interval", "keep_last", "batch_size", "grad_accum",
+                                "global_batch", "dist_timeout"})
 
 
 def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer) -> list[str]:

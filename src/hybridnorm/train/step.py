@@ -98,20 +98,24 @@ def evaluate(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device, d
 
 
 def _eval_sums(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device, d: Dist) -> Tensor:
-    """(sum of token losses, tokens scored) over every rank's validation windows, float64."""
+    """(sum of token losses, tokens scored) over every rank's validation windows, float64.
+
+    Every rank runs the same collectives in the same order whatever its share of the split: the most
+    batches any rank has (one all-reduce), then that many forwards (under FSDP each all-gathers the
+    weights with every rank; a rank with fewer batches pads with unscored one-token forwards), then the
+    sums (one all-reduce). Reducing the sums before the padding forwards deadlocked an uneven split."""
     total = torch.zeros(2, dtype=torch.float64)
     n_batches = cfg.eval_batches * d.world_size  # val_batches counts batches of batch_size over all ranks
-    n_run = 0
-    for x, y in val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size):
+    mine = list(val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size))
+    n_run = int(all_reduce_max(torch.tensor(float(len(mine))), d).item())
+    for i in range(n_run):
         with autocast(cfg.precision, device):
-            loss = model(x.to(device), targets=y.to(device))  # lm_loss of the logits
-        total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
-        n_run += 1
+            if i < len(mine):
+                x, y = mine[i]
+                loss = model(x.to(device), targets=y.to(device))  # lm_loss of the logits
+                total += torch.tensor([loss.item() * y.numel(), y.numel()], dtype=torch.float64)
+            else:
+                model(torch.zeros(1, 1, dtype=torch.long, device=device))
     if d.enabled:
         torch.distributed.all_reduce(total)
-        # an FSDP forward all-gathers weights with every rank: a rank given fewer batches (a short validation
-        # split) runs unscored one-token forwards until all have run as many
-        for _ in range(int(all_reduce_max(torch.tensor(float(n_run)), d).item()) - n_run):
-            with autocast(cfg.precision, device):
-                model(torch.zeros(1, 1, dtype=torch.long, device=device))
     return total

@@ -20,6 +20,7 @@ is checkpointed, so a resumed run skips exactly the same steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
+from hybridnorm.train.batch_split import per_step_state, resolve_split
 from hybridnorm.train.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -45,9 +47,11 @@ from hybridnorm.train.checkpoint import (
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import (
     Dist,
+    agree,
     all_reduce_max,
     all_reduce_mean,
     barrier,
+    collective_error,
     init_distributed,
     resolve_device,
 )
@@ -126,13 +130,26 @@ def _check_run_dir(run_dir: Path, resume: bool, d: Dist) -> ResumePoint:
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> TrainResult:
     """Train ``cfg`` into ``cfg.out_dir``, which is checked and locked first (one trainer per folder)."""
     cfg.validate()
-    with claim_run_dir(cfg.out_dir, enabled=int(os.environ.get("RANK", "0")) == 0):  # rank 0 writes the folder
-        return _train(cfg, resume=resume, quiet=quiet)
-
-
-def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
-    d = init_distributed(device)
+    d = init_distributed(device, cfg.dist_timeout)
+    with contextlib.ExitStack() as held:
+        failed = None
+        try:
+            if d.is_main:  # rank 0 writes the folder; the others learn whether it could claim it
+                held.enter_context(claim_run_dir(cfg.out_dir))
+        except ConfigError as e:
+            failed = e
+        try:
+            agree(failed, d, f"claiming out_dir={cfg.out_dir}")
+            return _train(cfg, device, d, resume=resume, quiet=quiet)
+        except RuntimeError as e:  # a late or lost rank: one error naming this rank and the cause
+            lost = collective_error(e, d, cfg.dist_timeout)
+            if lost is None:
+                raise
+            raise lost from e
+
+
+def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, quiet: bool) -> TrainResult:
     if device.type == "cpu" and d.enabled:  # share the cores between the local processes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     run_dir = Path(cfg.out_dir)
@@ -157,15 +174,21 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     pending = PendingSteps(deferred(cfg.host_sync, device, cfg.diagnostics.skip_spikes))
     optimizer = build_optimizer(model, cfg.optim, fused=True if pending.deferred else None)  # skip needs fused
     pending.attach(optimizer, device)
-    batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,
-                           world_size=d.world_size)
     state = TrainState()
     spikes = SpikeDetector(cfg.diagnostics.spike_window, cfg.diagnostics.spike_zscore)
     if ckpt is not None:
         state = load_checkpoint(ckpt, model, optimizer)
-        if state.data:  # empty in an imported model's step-0 checkpoint: the data starts from the top
-            batches.load_state_dict(state.data)
         spikes.load_state_dict(state.extra.get("spike_detector", {}))
+    # the global batch is kept from the checkpoint (empty data state: an imported model's step 0); only its
+    # split over this many processes may change
+    state.data = per_step_state(state.data, cfg.grad_accum)
+    split = resolve_split(cfg.global_batch, state.data.get("global_batch") if state.data else None,
+                          d.world_size, cfg.batch_size, cfg.grad_accum)
+    cfg = replace(cfg, batch_size=split.batch_size, grad_accum=split.grad_accum, global_batch=split.global_batch)
+    batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,
+                           world_size=d.world_size, grad_accum=cfg.grad_accum)
+    if state.data:
+        batches.load_state_dict(state.data)
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
@@ -174,6 +197,11 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens),
                 hardware(device, d.world_size))
     log.message(f"precision: {precision} ({why}); AdamW: {describe_optimizer(optimizer)}")
+    log.message(split.describe(d.world_size) + (" (derived to keep the global batch)" if split.changed else ""))
+    if split.changed:
+        log.log(state.step, {"event": "batch_split_derived", "global_batch": split.global_batch,
+                             "batch_size": split.batch_size, "grad_accum": split.grad_accum,
+                             "world_size": d.world_size}, "event")
     if changed:  # printed too: the settings a resume changed are worth a line on the console
         log.log(state.step, {"event": "config_changed_on_resume", "fields": changed}, "event")
     for moved in found.set_aside:  # corrupt checkpoints skipped by --resume: moved, never deleted
@@ -199,8 +227,12 @@ def _train(cfg: TrainConfig, *, resume: bool, quiet: bool) -> TrainResult:
     def save() -> None:
         state.data = batches.state_dict()
         state.extra["spike_detector"] = spikes.state_dict()
-        save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last, d)  # FSDP: every rank writes
-        barrier(d)
+        failed = None
+        try:  # FSDP: every rank writes (and agrees inside); DDP: rank 0 alone, so the others must learn its fate
+            save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last, d)
+        except ConfigError as e:
+            failed = e
+        agree(failed, d, f"saving the checkpoint of step {state.step}")
 
     def collects(n: int) -> bool:  # a diagnostics step, decided alike on every rank (diag runs on rank 0)
         return cfg.diagnostics.enabled and (n == 1 or n % cfg.diagnostics.every == 0)

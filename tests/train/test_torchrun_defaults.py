@@ -1,0 +1,91 @@
+"""The README's multi-process commands as a new user types them, with every default (the kjv corpus, BPE,
+eval every 100 steps and at the last, 16 eval batches): ``torchrun`` 2 gloo processes under FSDP and DDP,
+then the same run continued by ONE process with ``hybridnorm train --size tiny --max-steps 20 --out R
+--resume``, and a one-process run continued by two. The defaults split validation unevenly over 2 ranks
+(checked below), which once deadlocked FSDP's first evaluation. The global batch is kept across the
+change of world size by deriving the split, and TensorBoard shows the same steps as metrics.jsonl."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+from torchrun_helpers import hybridnorm, run, tensorboard_steps, torchrun
+from train_helpers import read_metrics
+
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+
+
+@pytest.fixture(scope="module")
+def kjv_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The default data prepared once (seconds), outside the user's own cache."""
+    from hybridnorm.data import prepare_data
+    from hybridnorm.train.config import TrainConfig
+
+    cache = tmp_path_factory.mktemp("kjv_cache")
+    cfg = TrainConfig.from_cli(None, [], size="tiny")
+    data = prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
+                        cache_dir=cache)
+    # the premise: the default eval reads an odd number of validation batches, so 2 ranks get unequal shares
+    windows = (len(data.val_tokens()) - 1) // cfg.seq_len
+    batches = min(math.ceil(windows / cfg.batch_size), cfg.eval_batches * 2)
+    assert batches % 2 == 1, batches
+    return cache
+
+
+def _history_agrees(out) -> None:
+    """metrics.jsonl has each step once, and TensorBoard shows the same steps (nothing purged)."""
+    train = [r["step"] for r in read_metrics(out)]
+    evals = [r["step"] for r in read_metrics(out, "eval")]
+    assert train == [10, 20] and evals == [10, 20]  # log_interval 10, eval at the last step of each command
+    assert tensorboard_steps(out, "train/loss") == train
+    assert tensorboard_steps(out, "eval/val_loss") == evals
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_torchrun_defaults_then_one_process_resume(parallel, kjv_cache, tmp_path):
+    out = tmp_path / "R"
+    first = run(torchrun("train", "--size", "tiny", f"--parallel={parallel}", "--max-steps", "10", "--out", str(out)),
+                kjv_cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "[eval] step 10" in first.stderr and first.stdout.count("final: step 10") == 1
+
+    second = run(hybridnorm("train", "--size", "tiny", "--max-steps", "20", "--out", str(out), "--resume"), kjv_cache)
+    assert second.returncode == 0, second.stderr[-3000:]
+    # 2 x 16 sequences per step before; one process keeps the 32 by accumulating 2 micro-batches of 16
+    assert "global batch 32 sequences per step = 1 process(es) x batch_size=16 x grad_accum=2" in second.stderr
+    assert "final: step 20" in second.stdout
+    _history_agrees(out)
+    tokens = [r["tokens"] for r in read_metrics(out)]
+    assert tokens == [10 * 32 * 128, 20 * 32 * 128]  # tiny's seq_len 128: the same tokens per step throughout
+
+
+def test_one_process_run_resumes_on_two(kjv_cache, tmp_path):
+    out, ref = tmp_path / "R", tmp_path / "ref"
+    first = run(hybridnorm("train", "--size", "tiny", "--max-steps", "10", "--out", str(out)), kjv_cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(torchrun("train", "--size", "tiny", "--max-steps", "20", "--out", str(out), "--resume"), kjv_cache)
+    assert second.returncode == 0, second.stderr[-3000:]
+    # the 16 sequences of one process become 2 x 8: the same windows per step as before
+    assert "global batch 16 sequences per step = 2 process(es) x batch_size=8 x grad_accum=1" in second.stderr
+    _history_agrees(out)
+
+    # against one process training all 20 steps: the same data and schedule, only the sums' order differs
+    whole = run(hybridnorm("train", "--size", "tiny", "--max-steps", "20", "--out", str(ref)), kjv_cache)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    got, want = read_metrics(out)[-1], read_metrics(ref)[-1]
+    assert got["step"] == want["step"] == 20
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+
+
+def test_a_global_batch_no_process_count_can_share_is_refused_naming_the_counts(kjv_cache, tmp_path):
+    out = tmp_path / "R"
+    proc = run(torchrun("train", "--size", "tiny", "--global_batch=7", "--max-steps", "2", "--out", str(out)),
+               kjv_cache)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("global batch 7" in e and "over 1, 7 processes" in e and "--global_batch" in e
+                          for e in errors), proc.stderr[-2000:]
+    frames = [line for line in proc.stderr.splitlines() if line.strip().startswith("File ")]
+    assert not any("hybridnorm" in f for f in frames), proc.stderr[-3000:]  # torchrun's own traceback only

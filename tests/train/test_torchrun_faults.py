@@ -1,0 +1,142 @@
+"""Faults of a real ``torchrun`` FSDP job (2 gloo processes on CPU), delivered as they happen in life:
+SIGTERM to torchrun (a scheduler's stop), a worker frozen with SIGSTOP (a rank that never reaches the next
+collective) and a worker killed with SIGKILL mid-step. None may hang: each ends within its bound with an
+``error:`` line naming the rank and the cause, or with every rank saved and exited 130; the run then
+resumes from its newest complete checkpoint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import torch
+from torchrun_helpers import alive, hybridnorm, run, start, torchrun, wait_for, workers
+from train_helpers import kill_tree, read_metrics
+
+from hybridnorm.train.checkpoint import check_checkpoint, latest_checkpoint
+
+pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+
+TINY = ("train", "--size", "tiny", "--parallel=fsdp", "--log_interval=5")
+
+
+@pytest.fixture(scope="module")
+def kjv_cache(tmp_path_factory: pytest.TempPathFactory):
+    from hybridnorm.data import prepare_data
+
+    cache = tmp_path_factory.mktemp("kjv_cache")
+    prepare_data("kjv", tokenizer="bpe", vocab_size=8192, cache_dir=cache)
+    return cache
+
+
+def _end(proc, timeout: float) -> float:
+    """Seconds until ``proc`` (torchrun) exits; fails the test (killing it) past ``timeout``."""
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=timeout)
+    except Exception:
+        kill_tree(proc)
+        pytest.fail(f"torchrun still running {timeout} s after the fault")
+    return time.monotonic() - t0
+
+
+def _weights(run_dir) -> dict[str, torch.Tensor]:
+    from hybridnorm.train.load import load_run
+
+    return load_run(run_dir).model.state_dict()
+
+
+def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(kjv_cache, tmp_path):
+    out, ref, log = tmp_path / "R", tmp_path / "ref", tmp_path / "log"
+    args = [*TINY, "--max-steps", "60", "--out", str(out)]
+    # each worker is wrapped in a shell that records its exit status; the shell's own no-op trap lets it
+    # outlive the signal torchrun sends to the whole worker process group
+    inner = " ".join(f"'{a}'" for a in [sys.executable, "-m", "hybridnorm.cli", *args])
+    wrapped = ["torchrun", "--nproc_per_node", "2", "--no-python", "bash", "-c",
+               f"trap : TERM INT; {inner}; echo $? > {tmp_path}/rc.$RANK"]
+    proc = start(wrapped, kjv_cache, log)
+    wait_for(log, "step 30 ", proc)
+    pids = workers(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert _end(proc, 60) < 60
+    assert not any(alive(p) for p in pids)
+    assert [(tmp_path / f"rc.{r}").read_text().strip() for r in (0, 1)] == ["130", "130"], log.read_text()[-3000:]
+    ckpt = latest_checkpoint(out / "checkpoints")
+    stopped = int(ckpt.name.split("_")[1])
+    assert f"stopped at step {stopped} (signal)" in log.read_text()
+    check_checkpoint(ckpt)  # every file against its manifest and schema
+
+    resumed = run(torchrun(*TINY, "--max-steps", "60", "--out", str(out), "--resume"), kjv_cache)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole = run(torchrun(*TINY, "--max-steps", "60", "--out", str(ref)), kjv_cache)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    losses = {r["step"]: r["loss"] for r in read_metrics(ref)}
+    got = read_metrics(out)
+    assert [r["step"] for r in got] == sorted({*range(5, stopped + 1, 5), *range(5, 61, 5)})
+    assert all(r["loss"] == losses[r["step"]] for r in got)  # bitwise, before and after the stop
+    a, b = _weights(out), _weights(ref)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_a_frozen_rank_ends_the_job_at_the_timeout_with_an_error_naming_it(kjv_cache, tmp_path):
+    out, log = tmp_path / "R", tmp_path / "log"
+    proc = start(torchrun(*TINY, "--max-steps", "5000", "--dist_timeout=10", "--out", str(out)), kjv_cache, log)
+    wait_for(log, "step 30 ", proc)
+    pids = workers(proc.pid)
+    os.kill(pids[1], signal.SIGSTOP)  # it never reaches the next collective
+    try:
+        assert _end(proc, 120) < 120  # 10 s timeout, then torchrun tears the frozen one down
+    finally:
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+    errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert errors and "rank 0 of 2" in errors[0] and "waited 10 s (dist_timeout)" in errors[0], log.read_text()[-3000:]
+    assert proc.returncode != 0
+
+
+def test_a_rank_killed_mid_step_ends_the_job_then_it_resumes_from_the_newest_checkpoint(kjv_cache, tmp_path):
+    out, log = tmp_path / "R", tmp_path / "log"
+    proc = start(torchrun(*TINY, "--max-steps", "5000", "--ckpt_interval=20", "--out", str(out)), kjv_cache, log)
+    wait_for(log, "step 30 ", proc)
+    os.kill(workers(proc.pid)[1], signal.SIGKILL)
+    assert _end(proc, 90) < 90
+    errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert errors and "rank 0 of 2" in errors[0] and "went away" in errors[0], log.read_text()[-3000:]
+    newest = latest_checkpoint(out / "checkpoints")
+    check_checkpoint(newest)
+
+    resumed = run(hybridnorm("train", "--size", "tiny", "--max-steps", str(int(newest.name[5:]) + 5), "--out",
+                             str(out), "--resume"), kjv_cache)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {newest}" in resumed.stderr
+
+
+def test_a_lock_rank_0_cannot_take_fails_every_rank_at_once(kjv_cache, tmp_path):
+    """rank 0 alone claims the run folder; when another trainer holds it, every rank learns so and stops
+    with an error line (DDP's other ranks used to wait for rank 0 until torchrun tore them down)."""
+    import subprocess
+
+    out, log = tmp_path / "R", tmp_path / "log"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hybridnorm.train.lock import "
+                               "claim_run_dir\nwith claim_run_dir(sys.argv[1]):\n print('held', flush=True); "
+                               "time.sleep(600)", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = start(torchrun("train", "--size", "tiny", "--parallel=ddp", "--max-steps", "10", "--out", str(out)),
+                     kjv_cache, log)
+        assert _end(proc, 120) < 120
+    finally:
+        holder.kill()
+    errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert any(f"pid {holder.pid}" in e for e in errors), log.read_text()[-3000:]  # rank 0 names the holder
+    # rank 1 learns it from the same all-reduce and says so, unless torchrun, seeing rank 0 exit first,
+    # stopped it a moment earlier (then it exits 130): either way it never waits for a rank that left
+    assert all(f"pid {holder.pid}" in e or f"rank 1 of 2: claiming out_dir={out} failed on another rank" in e
+               for e in errors), errors
+    frames = [line for line in log.read_text().splitlines() if line.strip().startswith("File ")]
+    assert not any("hybridnorm" in f for f in frames)  # torchrun's own traceback only
