@@ -82,8 +82,9 @@ def judge(*, diverged: bool, diverged_at: int | None = None, final_val_loss: flo
     if final_val_loss is not None and unigram_entropy is not None:
         gain = unigram_entropy - final_val_loss
         if gain < STALL_MARGIN:
-            return Verdict("stalled", f"val {final_val_loss:.3f} is {gain:+.3f} nats from the unigram baseline "
-                                      f"{unigram_entropy:.3f} (needs ≥ {STALL_MARGIN:g} below)")
+            where = f"{gain:.3f} nats below" if gain > 0 else f"{-gain:.3f} nats above"
+            return Verdict("stalled", f"val {final_val_loss:.3f} is {where} the unigram baseline "
+                                      f"{unigram_entropy:.3f}; trained needs ≥ {STALL_MARGIN:g} below")
         return Verdict("trained", f"val {final_val_loss:.3f}, {gain:.3f} nats below the unigram baseline")
     if first_train_loss is None or final_train_loss is None:
         return Verdict("stalled", "no loss logged")
