@@ -105,3 +105,24 @@ def test_by_depth_plot_has_integer_block_ticks(tmp_path):
         plt.Figure.savefig = original
     assert all(isinstance(loc, MaxNLocator) for loc in captured["locators"])
     assert captured["ticks"] and all(float(t).is_integer() for t in captured["ticks"])
+
+
+def test_a_run_far_behind_the_best_of_its_budget_is_stalled_not_trained(tmp_path):
+    """Unigram 6.0; the best run gains 2.0 nats, so trained needs a gain ≥ 0.5 (25%): 5.8 (gain 0.2, above
+    the absolute 0.1 margin) is stalled beside it, 5.4 (gain 0.6) is trained. Alone, 5.8 is trained."""
+    from hybridnorm.experiments import verdict
+
+    runs = [_run(tmp_path, "pre", 0, 4.0), _run(tmp_path, "post", 0, 5.8), _run(tmp_path, "hybridnorm", 0, 5.4)]
+    write_report(runs, tmp_path)
+    got = {r["placement"]: r for r in json.loads((tmp_path / "runs.json").read_text())["runs"]}
+    assert [got[p]["verdict"] for p in ("pre", "post", "hybridnorm")] == ["trained", "stalled", "trained"]
+    assert "10% of the best same-budget run's 2.000" in got["post"]["verdict_reason"]
+    alone = verdict.judge(diverged=False, final_val_loss=5.8, unigram_entropy=6.0, first_train_loss=9.0,
+                          final_train_loss=5.8)
+    assert alone.verdict == "trained"
+    # another budget (more steps) is not a peer: its better loss does not raise the bar
+    other = _run(tmp_path / "b", "pre", 0, 3.0, extra={"max_steps": 50})
+    lone = _run(tmp_path / "b", "post", 0, 5.8)
+    write_report([other, lone], tmp_path / "b")
+    got = {r["placement"]: r["verdict"] for r in json.loads((tmp_path / "b" / "runs.json").read_text())["runs"]}
+    assert got == {"pre": "trained", "post": "trained"}

@@ -18,7 +18,7 @@ from typing import Any
 from hybridnorm import placements as registry
 from hybridnorm.config_base import flatten_config
 from hybridnorm.experiments import plots, verdict
-from hybridnorm.experiments.runs import RunRecord
+from hybridnorm.experiments.runs import RunRecord, set_peer_gains
 from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
 from hybridnorm.train.provenance import describe as describe_code
 from hybridnorm.train.provenance import describe_hardware
@@ -89,6 +89,7 @@ def provenance_line(runs: Sequence[RunRecord], field: str, describe: Callable[[A
 def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = None, command: str | None = None,
                  title: str = "Placement comparison") -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    set_peer_gains(list(runs))  # verdicts judged beside the runs of the same budget
     show_init = len({r.init for r in runs}) > 1
     for r in runs:
         r.label = group_label(r, show_init)
@@ -200,7 +201,9 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
                       "uses its paper default (listed per row). Compare rows with one init for all to separate "
                       "the two.", ""]
     lines += ["Verdicts (rules and thresholds: `hybridnorm.experiments.verdict`): **trained**; **stalled** = val "
-              f"loss not ≥ {verdict.STALL_MARGIN:g} nats below the unigram baseline; **collapsed** = token cosine "
+              f"loss not ≥ {verdict.STALL_MARGIN:g} nats below the unigram baseline, or a gain over it under "
+              f"{verdict.PROGRESS_FRACTION:.0%} of the largest gain among this report's runs of the same budget; "
+              "**collapsed** = token cosine "
               f"≥ {verdict.COLLAPSE_COS:g} in most blocks or first/last block gradient < {verdict.VANISH_RATIO:g}; "
               "**diverged** = non-finite.", ""]
     lines += ["## Per group (over seeds)", "",
@@ -282,6 +285,7 @@ def _gradient_table(done: Sequence[RunRecord]) -> list[str]:
 
 
 def print_verdicts(runs: Sequence[RunRecord]) -> None:
+    set_peer_gains(list(runs))
     for r in runs:
         if r.done:
             print(f"[grid] {r.path.name}: {r.verdict.verdict} ({r.verdict.reason})", file=sys.stderr)
