@@ -314,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the folder has no safetensors; refused by default: unpickling can run code")
     i.set_defaults(func=_import)
 
+    sub.add_parser("gradprofile", add_help=False,  # its options: python -m hybridnorm.experiments.gradprofile
+                   help="per-block gradient norms at step 1 at the paper's sizes (Figure 2); --help for options")
     p = sub.add_parser("placements", parents=[common], help="list placement presets with their equations")
     p.add_argument("--all", action="store_true", help="also the paper's grammar names")
     p.set_defaults(func=_placements)
@@ -337,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     words = sys.argv[1:] if argv is None else list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
+    if command == "gradprofile":  # a measurement with its own options (experiments.gradprofile)
+        from hybridnorm.experiments import gradprofile
+        return gradprofile.main(words[words.index(command) + 1:])
     if command in ("train", "compare", "sweep"):
         words = _join_spaced_overrides(words, parser.own_options[command])
     try:
