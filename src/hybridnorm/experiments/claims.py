@@ -247,8 +247,11 @@ def claim_table(results: Path) -> str:
     rows = [*claim_lower_loss(a, inits, planned), *claim_stability(a, inits), *claim_depth(b),
             *claim_balance(a, inits), *claim_figure2(results), *claim_init(a, inits)]
     n_a = len({(c.placement, c.init, c.knob, s) for c in a for s in c.verdicts})
+    n_f = len(figure2.load(results / "figure2" / "step1.json"))
     head = (f"Derived by `python -m hybridnorm.experiments.claims docs/results` from {n_a} finished runs of study A "
-            f"and {sum(len(c.verdicts) for c in b)} of study B (rules in that module's docstring).\n\n"
+            f"and {sum(len(c.verdicts) for c in b)} of study B"
+            + (f", and {n_f} step-1 gradient profiles of `figure2/step1.json`" if n_f else "")
+            + " (rules in that module's docstring).\n\n"
             "| claim | status at this scale | evidence (factors held equal) |\n|---|---|---|\n")
     return head + "\n".join(rows) + "\n"
 
