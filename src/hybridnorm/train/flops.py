@@ -66,8 +66,9 @@ def peak_cache_path() -> Path:
     return Path(os.environ.get("HYBRIDNORM_PEAK_CACHE") or Path.home() / ".cache" / "hybridnorm" / "matmul_peak.json")
 
 
-def machine_key(device: str, dtype: torch.dtype) -> str:
-    """What the peak depends on: the device model, the dtype, the CPU threads torch uses, torch's version."""
+def machine_key(device: str, dtype: torch.dtype, n: int = 2048) -> str:
+    """What the peak depends on: the device model, the dtype, the CPU threads torch uses, torch's version
+    and the matmul size."""
     if str(device).startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
     else:
@@ -77,21 +78,21 @@ def machine_key(device: str, dtype: torch.dtype) -> str:
             model = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text(errors="replace").splitlines()
                      if ln.startswith("model name")]
             name = model[0] if model else name
-    return f"{name}|{dtype}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    return f"{name}|{dtype}|threads={torch.get_num_threads()}|torch={torch.__version__}|n={n}"
 
 
 @functools.lru_cache(maxsize=8)
-def measured_peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
-    """The machine's matmul peak for ``device``/``dtype``: read from the per-machine cache, else measured
+def measured_peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
+    """The machine's n×n matmul peak for ``device``/``dtype``: read from the per-machine cache, else measured
     once (:func:`matmul_flops`) and stored there. A cache that cannot be read or written is measured past."""
-    path, key = peak_cache_path(), machine_key(device, dtype)
+    path, key = peak_cache_path(), machine_key(device, dtype, n)
     try:
         cache = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         cache = {}
     if isinstance(cache, dict) and isinstance(cache.get(key), (int, float)) and cache[key] > 0:
         return float(cache[key])
-    peak = matmul_flops(device, dtype)
+    peak = matmul_flops(device, dtype, n)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
