@@ -320,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the folder has no safetensors; refused by default: unpickling can run code")
     i.set_defaults(func=_import)
 
+    sub.add_parser("gradprofile", add_help=False,  # its options: python -m hybridnorm.experiments.gradprofile
+                   help="per-block gradient norms at step 1 at the paper's sizes (Figure 2); --help for options")
     p = sub.add_parser("placements", parents=[common], help="list placement presets with their equations")
     p.add_argument("--all", action="store_true", help="also the paper's grammar names")
     p.set_defaults(func=_placements)
@@ -346,13 +348,15 @@ def main(argv: list[str] | None = None) -> int:
         return _main(words, command, argv)
     from hybridnorm.train.stop import process_signals  # stdlib only: installed before torch is imported
 
-    # SIGINT/SIGTERM from here on: a stop at start-up is "interrupted:" and 130, a stop in the loop saves
-    # first, and a repeated signal cannot break either or the exit 130 after it
+    # from here on a stop at start-up is "interrupted:" and 130, one in the loop saves first; a repeat breaks neither
     with process_signals():
         return _main(words, command, argv)
 
 
 def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
+    if command == "gradprofile":  # a measurement with its own options (experiments.gradprofile)
+        from hybridnorm.experiments import gradprofile
+        return gradprofile.main(words[words.index(command) + 1:])
     parser = build_parser()
     overrides: list[str] = []
     if command in ("train", "compare", "sweep"):
@@ -378,16 +382,13 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
         warnings.formatwarning = lambda message, *_a, **_k: f"warning: {message}\n"
     try:
         return args.func(args, extra)
-    except (ConfigError, OSError, UnicodeDecodeError, ValueError) as e:  # OSError: any path we cannot use
+    except (ConfigError, OSError, UnicodeDecodeError, ValueError, CollectiveError) as e:  # OSError: a bad path
         if args.debug:
             raise
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, whatever the message
-        return EXIT_BAD_INPUT
-    except CollectiveError as e:  # a late or lost rank under torchrun
-        if args.debug:
-            raise
-        print(f"error: {e}; resume from the newest complete checkpoint with --resume", file=sys.stderr)
-        return EXIT_FAILED
+        lost = isinstance(e, CollectiveError)  # a late or lost rank under torchrun: the input was fine
+        hint = "; resume from the newest complete checkpoint with --resume" if lost else ""
+        print(f"error: {' '.join(str(e).split())}{hint}", file=sys.stderr)  # one line, whatever the message
+        return EXIT_FAILED if lost else EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted: checkpoints are saved; run the same command again to continue", file=sys.stderr)
         return EXIT_INTERRUPTED

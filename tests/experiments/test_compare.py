@@ -34,7 +34,7 @@ def test_compare_report(make_cfg, tmp_path):
             assert rec["init"] == "megatron" and rec["verdict"] in ("trained", "stalled", "collapsed")
             assert rec["final_val_loss"] == pytest.approx(run.eval[-1]["val_loss"])
     assert "± " in text  # two seeds: mean ± spread
-    assert "What differs between runs:** nothing but the seed" in text  # one init for all by default
+    assert "What differs between runs:** `placement`, `seed`." in text  # one init for all by default
     post = next(g for g in records["groups"] if g["placement"] == "post")
     pre_val = {r["seed"]: r["final_val_loss"] for r in records["runs"] if r["placement"] == "pre"}
     post_val = {r["seed"]: r["final_val_loss"] for r in records["runs"] if r["placement"] == "post"}
@@ -131,7 +131,8 @@ def test_report_tells_fields_some_runs_lack_from_real_differences_and_names_the_
     data = json.loads((tmp_path / "runs.json").read_text())
     assert data["varying"] == ["model.n_layers"]  # host_sync differs only between runs that both record it...
     assert data["partly_recorded"] == ["grad_accum", "host_sync"]  # ...and is named as partly recorded instead
-    assert "**What differs between runs:** `model.n_layers`." in text
+    assert data["differs"] == ["placement", "model.n_layers", "seed"]  # one code recorded: not a difference
+    assert "**What differs between runs:** `placement`, `model.n_layers`, `seed`." in text
     assert "Recorded in only some runs' configs" in text and "`grad_accum`, `host_sync`" in text
     assert "Code that made the runs: not recorded (2 runs); hybridnorm 0.1.0 @ 01234567, torch 2.13.0 (2 runs)." in text
     assert [r["code"] for r in data["runs"]] == [None, new, new, None]

@@ -90,3 +90,15 @@ def test_hardware_without_cpuinfo_and_its_report_line(tmp_path, monkeypatch):
     assert hardware(torch.device("cpu"))["name"] == "Some CPU @ 2.0GHz"
     gpu = {"device": "cuda", "name": "NVIDIA H100 80GB HBM3", "processes": 8, "threads": 4}
     assert describe_hardware(gpu) == "8 × cuda NVIDIA H100 80GB HBM3" and describe_hardware(None) == "not recorded"
+
+
+def test_outside_a_checkout_git_says_nothing_on_the_terminal(tmp_path, capfd):
+    """`hybridnorm eval RUN` from an installed package must not print git's `fatal: not a git repository`."""
+    code_versions.cache_clear()
+    try:
+        versions = code_versions(tmp_path)
+    finally:
+        code_versions.cache_clear()
+    assert versions["git_commit"] is None and versions["git_dirty"] is None
+    out, err = capfd.readouterr()
+    assert "fatal" not in out + err and err == ""

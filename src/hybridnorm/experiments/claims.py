@@ -18,7 +18,9 @@ The rules, decided before the data and applied mechanically:
   Post-Norm and no depth trains Post-Norm but not HybridNorm.
 - Init: Megatron − Normal for the same placement, each at its best lr, paired by seed.
 - Gradient balance: |log10(first/last block gradient norm)| at the final diagnostics step, trained runs, at
-  the lr where both placements trained best; smaller is more balanced.
+  the lr where both placements trained best; smaller is more balanced. At the paper's sizes (Figure 2):
+  the same measure at step 1 from ``figure2/step1.json`` (``experiments.gradprofile``), paired by seed
+  with Pre-Norm at the same size and init axis value.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridnorm.errors import ConfigError
+from hybridnorm.experiments import figure2
 from hybridnorm.experiments.runs import read_report
 from hybridnorm.experiments.stats import PairedDiff, mean_std, paired_difference
 from hybridnorm.experiments.study_tables import tables as study_tables
@@ -195,6 +198,26 @@ def claim_balance(cells: list[Cell], inits: list[str]) -> list[str]:
     return rows
 
 
+def claim_figure2(results: Path) -> list[str]:
+    """Figure 2 at the paper's sizes: HybridNorm(*)'s step-1 gradients more balanced than Pre-Norm's."""
+    by_cell = figure2.cells(figure2.load(results / "figure2" / "step1.json"))
+    rows = []
+    for (size, init, h), seeds in sorted(by_cell.items()):
+        pre = by_cell.get((size, init, "pre"), {})
+        if h not in (*HYBRIDS, "post") or not pre:
+            continue
+        spread = {s: figure2.imbalance(seeds[s]) - figure2.imbalance(pre[s]) for s in seeds.keys() & pre.keys()}
+        d = paired_difference(spread, {s: 0.0 for s in spread})
+        rows.append(f"| {h}'s step-1 gradient norms are more balanced across depth than Pre-Norm's ({size}, init "
+                    f"{init}) | {judge(d)} | last/first block grad ratio per seed {h} {_last_first(seeds)} vs pre "
+                    f"{_last_first(pre)}; Δ|log10 ratio| = {d} |")
+    return rows
+
+
+def _last_first(by_seed: dict[int, dict[str, Any]]) -> str:
+    return "/".join(f"{by_seed[s]['block'][-1] / by_seed[s]['block'][0]:.2f}" for s in sorted(by_seed))
+
+
 def claim_init(cells: list[Cell], inits: list[str]) -> list[str]:
     """Table 10: HybridNorm(*) does better with the Megatron init than with Normal (each at its best lr)."""
     if not {"normal", "megatron"} <= set(inits):
@@ -222,10 +245,13 @@ def claim_table(results: Path) -> str:
     inits = sorted({c.init for c in a})
     planned = planned_values(results / STUDY_A, "optim.lr")
     rows = [*claim_lower_loss(a, inits, planned), *claim_stability(a, inits), *claim_depth(b),
-            *claim_balance(a, inits), *claim_init(a, inits)]
+            *claim_balance(a, inits), *claim_figure2(results), *claim_init(a, inits)]
     n_a = len({(c.placement, c.init, c.knob, s) for c in a for s in c.verdicts})
+    n_f = len(figure2.load(results / "figure2" / "step1.json"))
     head = (f"Derived by `python -m hybridnorm.experiments.claims docs/results` from {n_a} finished runs of study A "
-            f"and {sum(len(c.verdicts) for c in b)} of study B (rules in that module's docstring).\n\n"
+            f"and {sum(len(c.verdicts) for c in b)} of study B"
+            + (f", and {n_f} step-1 gradient profiles of `figure2/step1.json`" if n_f else "")
+            + " (rules in that module's docstring).\n\n"
             "| claim | status at this scale | evidence (factors held equal) |\n|---|---|---|\n")
     return head + "\n".join(rows) + "\n"
 

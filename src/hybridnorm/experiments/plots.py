@@ -6,12 +6,14 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from hybridnorm.experiments.runs import RunRecord
 
@@ -74,6 +76,7 @@ def by_depth(runs: Sequence[RunRecord], path: Path, prefix: str, steps: Sequence
             series[f"{name}@step{step}"] = {"x": list(range(1, depth + 1)), "y": mean}
             ax.plot(range(1, depth + 1), mean, marker="o", markersize=3, label=name)
         ax.set(xlabel="block", ylabel=ylabel, title=f"{title} — step {step}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # blocks are whole numbers
         if not ax.lines:
             ax.text(0.5, 0.5, "no diagnostics recorded at this step\n(train with --diagnostics.every=N)",
                     ha="center", va="center", transform=ax.transAxes)
@@ -85,23 +88,64 @@ def by_depth(runs: Sequence[RunRecord], path: Path, prefix: str, steps: Sequence
     return _save(fig, path, series)
 
 
-def knob_curve(points: dict[str, list[tuple[float, float]]], path: Path, knob: str, log_x: bool,
-               ylabel: str = "final val loss, mean over seeds (× = not trained)") -> Path:
-    """Final loss against the swept value per group; points that did not train (NaN) are drawn as crosses."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+@dataclass(frozen=True)
+class NotTrained:
+    """A seed that did not train at a swept value: its verdict and real val loss (None: no finite loss)."""
+    seed: int
+    verdict: str
+    val_loss: float | None
+
+
+@dataclass(frozen=True)
+class KnobPoint:
+    """One swept value of a group: the mean val loss of its trained seeds (NaN: none trained) and the
+    seeds that did not train."""
+    x: float
+    trained_mean: float
+    not_trained: list[NotTrained] = field(default_factory=list)
+
+
+_MARKERS = {"stalled": "s", "collapsed": "x", "diverged": "^"}
+
+
+def knob_curve(points: dict[str, list[KnobPoint]], path: Path, knob: str, log_x: bool,
+               ylabel: str = "final val loss") -> Path:
+    """Final loss against the swept value per group. The line joins the means over the seeds that trained;
+    each seed that did not train is drawn on its own, hollow, at its real val loss with a marker per verdict
+    (never at a made-up height); a seed with no finite loss (diverged) sits in a labelled band above the
+    plot, in axes coordinates, so no height is read from it."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     series: dict[str, dict] = {}
+    seen_verdicts: set[str] = set()
+    band = ax.get_xaxis_transform()  # x in data, y in axes fraction
     for name, pts in points.items():
-        pts = sorted(pts)
-        series[name] = {"x": [x for x, _ in pts], "y": [y if math.isfinite(y) else None for _, y in pts]}
-        ok = [(x, y) for x, y in pts if math.isfinite(y)]
-        line, = ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=name)
-        bad = [x for x, y in pts if not math.isfinite(y)]
-        if bad:
-            top = max((y for _, y in ok), default=1.0)
-            ax.scatter(bad, [top] * len(bad), marker="x", s=60, color=line.get_color())
-    ax.set(xlabel=knob, ylabel=ylabel, title=f"sweep over {knob}")
+        pts = sorted(pts, key=lambda p: p.x)
+        series[name] = {"x": [p.x for p in pts],
+                        "y": [p.trained_mean if math.isfinite(p.trained_mean) else None for p in pts],
+                        "not_trained": [{"x": p.x, "seed": n.seed, "verdict": n.verdict, "val_loss": n.val_loss}
+                                        for p in pts for n in p.not_trained]}
+        ok = [(p.x, p.trained_mean) for p in pts if math.isfinite(p.trained_mean)]
+        line, = ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", label=f"{name} (trained, mean)")
+        for p in pts:
+            for n in p.not_trained:
+                seen_verdicts.add(n.verdict)
+                marker = _MARKERS.get(n.verdict, "x")
+                face = "none" if marker != "x" else line.get_color()
+                if n.val_loss is not None:
+                    ax.scatter([p.x], [n.val_loss], marker=marker, s=50, facecolors=face,
+                               edgecolors=line.get_color())
+                else:
+                    ax.scatter([p.x], [1.03], marker=marker, s=50, facecolors=face, edgecolors=line.get_color(),
+                               transform=band, clip_on=False)
+    if any(n.val_loss is None for pts in points.values() for p in pts for n in p.not_trained):
+        ax.text(0.0, 1.03, "no finite loss ▸", transform=ax.transAxes, ha="right", va="center", fontsize=7)
+    for v in sorted(seen_verdicts):
+        ax.scatter([], [], marker=_MARKERS.get(v, "x"), facecolors="none" if _MARKERS.get(v) != "x" else "gray",
+                   edgecolors="gray", label=f"{v} seed (its real val loss)")
+    ax.set(xlabel=knob, ylabel=ylabel)
+    ax.set_title(f"sweep over {knob}", pad=18)
     if log_x:
         ax.set_xscale("log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     return _save(fig, path, series)

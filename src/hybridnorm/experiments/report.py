@@ -18,7 +18,7 @@ from typing import Any
 from hybridnorm import placements as registry
 from hybridnorm.config_base import flatten_config
 from hybridnorm.experiments import plots, verdict
-from hybridnorm.experiments.runs import RunRecord
+from hybridnorm.experiments.runs import RunRecord, set_peer_gains
 from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
 from hybridnorm.train.provenance import describe as describe_code
 from hybridnorm.train.provenance import describe_hardware
@@ -52,6 +52,24 @@ def varying_fields(runs: Sequence[RunRecord]) -> list[str]:
     return sorted(fields)
 
 
+def _recorded(runs: Sequence[RunRecord], field: str) -> set[str]:
+    """The distinct recorded values of a ``meta`` provenance field (runs that did not record it left out:
+    an unknown value is not a known difference)."""
+    return {json.dumps(r.meta[field], sort_keys=True) for r in runs if r.meta.get(field) is not None}
+
+
+def differences(runs: Sequence[RunRecord]) -> list[str]:
+    """Everything that differs across the runs, in the order a reader checks it: the placement, the init
+    scheme really used, the config fields (knobs included), the seed, and the code and hardware recorded
+    in the runs' ``meta``. A field with one value across the runs is not named."""
+    out = ["placement"] if len({r.placement for r in runs}) > 1 else []
+    out += [f for f in varying_fields(runs) if f == "init"]
+    out += [f for f in varying_fields(runs) if f != "init"]
+    out += ["seed"] if len({r.seed for r in runs}) > 1 else []
+    out += [f for f in ("code", "hardware") if len(_recorded(runs, f)) > 1]
+    return out
+
+
 def partly_recorded_fields(runs: Sequence[RunRecord]) -> list[str]:
     """Config fields that some runs' configs record and others do not: fields added to the config after
     those others' configs were written (they ran with the default of the code that trained them)."""
@@ -71,6 +89,7 @@ def provenance_line(runs: Sequence[RunRecord], field: str, describe: Callable[[A
 def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = None, command: str | None = None,
                  title: str = "Placement comparison") -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    set_peer_gains(list(runs))  # verdicts judged beside the runs of the same budget
     show_init = len({r.init for r in runs}) > 1
     for r in runs:
         r.label = group_label(r, show_init)
@@ -78,7 +97,8 @@ def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = No
     baseline = baseline or (runs[0].placement if runs else None)
     records = [r.to_record(out) for r in runs]
     groups = _group_stats(done, baseline)
-    fields = {"varying": varying_fields(done), "partly_recorded": partly_recorded_fields(done)}
+    fields = {"varying": varying_fields(done), "differs": differences(done),
+              "partly_recorded": partly_recorded_fields(done)}
     (out / "runs.json").write_text(json.dumps({"command": command, "baseline": baseline, **fields, "runs": records,
                                                "groups": groups}, indent=1), encoding="utf-8")
     if done:
@@ -122,9 +142,10 @@ def _numeric_axes(done: Sequence[RunRecord]) -> list[str]:
             if all(isinstance(r.knobs.get(k), (int, float)) and not isinstance(r.knobs.get(k), bool) for r in done)]
 
 
-def _knob_points(done: Sequence[RunRecord], key: str) -> dict[str, list[tuple[float, float]]]:
-    """Per group of everything but ``key`` and the seed: (value, mean val loss of the seeds that trained;
-    NaN when none did)."""
+def _knob_points(done: Sequence[RunRecord], key: str) -> dict[str, list[plots.KnobPoint]]:
+    """Per group of everything but ``key`` and the seed, per value of ``key``: the mean val loss of the seeds
+    that trained (NaN when none did) and every seed that did not train, with its verdict and its real val
+    loss (None when it has no finite one)."""
     cells: dict[str, dict[float, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
     for r in done:
         rest = " ".join([r.placement] + [f"init={r.init}"] * (len({x.init for x in done}) > 1)
@@ -135,7 +156,10 @@ def _knob_points(done: Sequence[RunRecord], key: str) -> dict[str, list[tuple[fl
         pts = []
         for x, group in by_value.items():
             ok = [r.final_val_loss for r in group if r.verdict.verdict == "trained"]
-            pts.append((x, sum(ok) / len(ok) if ok else math.nan))
+            others = [plots.NotTrained(r.seed, r.verdict.verdict,
+                                       r.final_val_loss if math.isfinite(r.final_val_loss) else None)
+                      for r in group if r.verdict.verdict != "trained"]
+            pts.append(plots.KnobPoint(x, sum(ok) / len(ok) if ok else math.nan, others))
         points[name] = pts
     return points
 
@@ -161,7 +185,8 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
                   f"validation on {r0['val_tokens'] or 0:,} tokens; unigram baseline "
                   f"{(r0['unigram_entropy'] or math.nan):.3f} nats.", ""]
         varying, partly = fields["varying"], fields["partly_recorded"]
-        lines += ["**What differs between runs:** " + (", ".join(f"`{f}`" for f in varying) or "nothing but the seed")
+        lines += ["**What differs between runs:** " + (", ".join(f"`{f}`" for f in fields["differs"])
+                                                       or "nothing (one configuration, one seed)")
                   + ". Each Δ below pairs a placement with the baseline "
                   + f"`{baseline}` at the same init axis value, knob values and seed.", ""]
         if partly:
@@ -176,7 +201,9 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
                       "uses its paper default (listed per row). Compare rows with one init for all to separate "
                       "the two.", ""]
     lines += ["Verdicts (rules and thresholds: `hybridnorm.experiments.verdict`): **trained**; **stalled** = val "
-              f"loss not ≥ {verdict.STALL_MARGIN:g} nats below the unigram baseline; **collapsed** = token cosine "
+              f"loss not ≥ {verdict.STALL_MARGIN:g} nats below the unigram baseline, or a gain over it under "
+              f"{verdict.PROGRESS_FRACTION:.0%} of the largest gain among this report's runs of the same budget; "
+              "**collapsed** = token cosine "
               f"≥ {verdict.COLLAPSE_COS:g} in most blocks or first/last block gradient < {verdict.VANISH_RATIO:g}; "
               "**diverged** = non-finite.", ""]
     lines += ["## Per group (over seeds)", "",
@@ -208,9 +235,10 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
         lines += ["![loss curves](loss_curves.png)", "", "![gradient norm by depth](grad_norm_by_depth.png)", "",
                   "![activation RMS by depth](activation_rms_by_depth.png)", ""]
         lines += [f"![sweep over {k}](sweep_{k}.png)" for k in axes if (out / f"sweep_{k}.png").is_file()] + [""]
-        lines += ["Equations of the placements:", ""]
-        lines += [f"- `{n}`: {registry.block_equations(registry.get(n).block)}"
-                  for n in dict.fromkeys(r.placement for r in done)] + [""]
+        lines += ["Equations of the placements (as `hybridnorm placements` writes them):", ""]
+        for n in dict.fromkeys(r.placement for r in done):
+            lines += [f"- `{n}`:"] + [f"  - {eq}" for eq in registry.equations(registry.get(n))]
+        lines += [""]
     return "\n".join(lines)
 
 
@@ -257,6 +285,7 @@ def _gradient_table(done: Sequence[RunRecord]) -> list[str]:
 
 
 def print_verdicts(runs: Sequence[RunRecord]) -> None:
+    set_peer_gains(list(runs))
     for r in runs:
         if r.done:
             print(f"[grid] {r.path.name}: {r.verdict.verdict} ({r.verdict.reason})", file=sys.stderr)

@@ -41,6 +41,7 @@ class RunRecord:
     divergence: dict[str, Any] | None = None
     label: str = ""                                             # the report's name for the run's group
     problem: str | None = None                                  # why its files could not be read (see unreadable)
+    best_gain: float | None = None                              # peers' largest gain over unigram (set_peer_gains)
 
     @property
     def diverged(self) -> bool:
@@ -84,7 +85,23 @@ class RunRecord:
                      unigram_entropy=self.meta.get("unigram_entropy"),
                      first_train_loss=self.train[0]["loss"] if self.train else None,
                      final_train_loss=self.train[-1]["loss"] if self.train else None,
-                     last_diag=self.diag[-1] if self.diag else None, n_layers=self.n_layers)
+                     last_diag=self.diag[-1] if self.diag else None, n_layers=self.n_layers,
+                     best_gain=self.best_gain)
+
+    @property
+    def budget(self) -> tuple:
+        """What makes two runs' losses comparable: steps, tokens per step and data."""
+        c = self.config
+        return (c.get("max_steps"), c.get("batch_size", 0) * c.get("grad_accum", 1) * c.get("seq_len", 0),
+                (c.get("data") or {}).get("source"))
+
+    @property
+    def unigram_gain(self) -> float | None:
+        """Nats by which the final val loss is below the unigram baseline (None: either is missing)."""
+        u = self.meta.get("unigram_entropy")
+        v = self.eval[-1]["val_loss"] if self.eval and not self.diverged else None
+        ok = isinstance(u, (int, float)) and isinstance(v, (int, float)) and math.isfinite(v)
+        return u - v if ok else None
 
     def diag_at(self, step: int) -> dict[str, Any] | None:
         """The diagnostics record collected at ``step``, or the nearest earlier one."""
@@ -124,6 +141,18 @@ class RunRecord:
             "hardware": self.meta.get("hardware"),
             **{k: _num(x) for k, x in collapse_signals(self.diag[-1] if self.diag else None, self.n_layers).items()},
         }
+
+
+def set_peer_gains(runs: list[RunRecord]) -> None:
+    """Give each finished run the largest unigram gain among the finished runs of its budget (the reference
+    of the verdict's relative rule)."""
+    best: dict[tuple, float] = {}
+    for r in runs:
+        g = r.unigram_gain if r.done else None
+        if g is not None:
+            best[r.budget] = max(g, best.get(r.budget, g))
+    for r in runs:
+        r.best_gain = best.get(r.budget)
 
 
 def _num(x: Any) -> float | None:

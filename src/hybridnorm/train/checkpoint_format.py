@@ -14,13 +14,13 @@ at fault; no other exception type escapes and nothing on disk is changed.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hybridnorm import plain_data
 from hybridnorm.train.checkpoint_layout import (
     FILES,
     MANIFEST,
@@ -73,12 +73,11 @@ def _is_number(v: object) -> bool:
 def read_json(path: Path) -> Any:
     """The JSON value of ``path``; unreadable bytes, bad UTF-8, bad JSON or absurd nesting name the file."""
     try:
-        text = path.read_bytes().decode("utf-8")
-        return json.loads(text)
+        return plain_data.loads(path.read_bytes())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CheckpointError(f"checkpoint file {path} is corrupt: not valid JSON ({e})"[:400]) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError and NestingError are ValueErrors
+        raise CheckpointError(f"checkpoint file {path} is corrupt: {plain_data.describe_error(e)}"[:400]) from None
     except OSError as e:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {e.strerror or e}") from None
 

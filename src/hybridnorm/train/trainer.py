@@ -93,7 +93,7 @@ def _prepare_data(cfg: TrainConfig, d: Dist) -> PreparedData:
 
 
 def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data: PreparedData, step: int,
-                ckpt: Path | None, train_n: int, val_n: int, ran_on: dict[str, Any]) -> None:
+                ckpt: Path | None, train_n: int, val_n: int, ran_on: dict[str, Any], peak: float) -> None:
     log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
                 f"vocab {cfg.model.vocab_size}; data: {cfg.data.source} ({train_n:,} train / {val_n:,} val tokens); "
                 f"unigram entropy {data.stats.unigram_entropy:.3f} nats" + (f"; resumed from {ckpt}" if ckpt else ""))
@@ -103,7 +103,8 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
                    "precision": cfg.precision,
                    "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
                    "train_tokens_available": train_n, "val_tokens_available": val_n,
-                   "code": code_versions(), "hardware": ran_on}, "meta")
+                   "code": code_versions(), "hardware": ran_on,
+                   "matmul_peak_flops": peak}, "meta")  # MFU's denominator (per-machine cache: flops.py)
 
 
 def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.device, d: Dist) -> torch.nn.Module:
@@ -194,8 +195,10 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         data.tokenizer.save(run_dir)
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
+    peak = measured_peak_flops(str(device), torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens),
-                hardware(device, d.world_size))
+                hardware(device, d.world_size), peak)
     log.message(f"precision: {precision} ({why}); AdamW: {describe_optimizer(optimizer)}")
     log.message(split.describe(d.world_size) + (" (derived to keep the global batch)" if split.changed else ""))
     if split.changed:
@@ -208,8 +211,6 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         log.log(state.step, {"event": "corrupt_checkpoint_set_aside", "checkpoint": str(moved.checkpoint),
                              "moved_to": str(moved.moved_to), "reason": moved.reason}, "event")
 
-    peak = measured_peak_flops(str(device), torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
-    peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     fpt = flops_per_token(model, cfg.seq_len)
     global_tokens = cfg.tokens_per_step * d.world_size
     # rank 0 only: nothing in it communicates, and the other ranks would only throw the numbers away

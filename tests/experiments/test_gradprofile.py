@@ -1,0 +1,91 @@
+"""Figure 2's measurement (``experiments.gradprofile``), its plot and its claim rows."""
+
+import json
+import math
+
+import pytest
+
+from hybridnorm.experiments import claims, figure2, gradprofile
+
+
+def test_profiles_are_consistent_resumable_and_seeded(corpus, cache_dir, tmp_path):
+    out = tmp_path / "step1.json"
+    over = [f"--data.source={corpus}", "--data.tokenizer=bytes", f"--data.cache_dir={cache_dir}"]
+    first = gradprofile.run(out, ["tiny"], ["pre", "hybridnorm_star"], ["default"], [0, 1], 2, 32, over)
+    assert [(p["placement"], p["seed"]) for p in first] == [("pre", 0), ("hybridnorm_star", 0), ("pre", 1),
+                                                            ("hybridnorm_star", 1)]
+    for p in first:
+        assert len(p["attn"]) == len(p["ffn"]) == len(p["block"]) == p["n_layers"] == 2
+        for a, f, b in zip(p["attn"], p["ffn"], p["block"], strict=True):  # a block is its attn and its ffn
+            assert b == pytest.approx(math.sqrt(a * a + f * f), rel=1e-6) and a > 0 and f > 0
+    assert first[0]["attn"] != first[2]["attn"]  # another seed: another init and batch
+    again = gradprofile.profile("tiny", "pre", "default", 0, 2, 32, over)
+    assert again["block"] == pytest.approx(first[0]["block"], rel=1e-6)  # the seed fixes init and batch
+    before = out.read_text()
+    assert len(gradprofile.run(out, ["tiny"], ["pre", "hybridnorm_star"], ["default"], [0, 1], 2, 32, over)) == 4
+    assert out.read_text() == before  # nothing re-measured
+    png = figure2.plot(first, tmp_path / "step1.png")
+    assert png.stat().st_size > 1000
+
+
+def _profile(placement, seed, first, last):
+    return {"size": "550m", "init": "default", "placement": placement, "seed": seed, "resolved_init": "x",
+            "block": [first, 1.0, last], "attn": [first, 1.0, last], "ffn": [0.0, 0.0, 0.0]}
+
+
+def test_claim_rows_from_hand_built_profiles(tmp_path):
+    """Pre-Norm's last block has 10× the first block's gradient (imbalance 1); HybridNorm's 1.1–1.3×
+    (imbalance ≤ 0.12): supported for every seed; Post-Norm's 0.01× (imbalance 2): contradicted."""
+    profiles = [_profile("pre", s, 1.0, 10.0 + s) for s in range(3)]
+    profiles += [_profile("hybridnorm", s, 1.0, 1.1 + 0.1 * s) for s in range(3)]
+    profiles += [_profile("post", s, 1.0, 0.01 * (1 + s / 10)) for s in range(3)]
+    (tmp_path / "figure2").mkdir()
+    (tmp_path / "figure2" / "step1.json").write_text(json.dumps({"profiles": profiles}))
+    rows = claims.claim_figure2(tmp_path)
+    hyb = next(r for r in rows if r.startswith("| hybridnorm's"))
+    post = next(r for r in rows if r.startswith("| post's"))
+    assert "(550m, init default) | **supported** |" in hyb
+    assert "hybridnorm 1.10/1.20/1.30 vs pre 10.00/11.00/12.00" in hyb
+    assert "| **contradicted** |" in post
+    assert figure2.imbalance(profiles[0]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--sizes", "551m"], ["551m"]),
+    (["--placements", "pre,prenorm"], ["prenorm"]),
+    (["--inits", "gaussian"], ["gaussian"]),
+    (["--seeds", "0,x"], ["--seeds"]),
+])
+def test_bad_options_are_one_error_before_any_work(args, names, tmp_path, capsys):
+    out = tmp_path / "step1.json"
+    with pytest.raises(SystemExit) if args[0] == "--seeds" else _no_raise() as caught:
+        rc = gradprofile.main(["--out", str(out), *args])
+    err = capsys.readouterr().err
+    assert (caught.value.code if caught else rc) == 2
+    assert all(n in err for n in names) and "Traceback" not in err
+    assert not out.exists()  # nothing measured, nothing written
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[" * 5000 + "]" * 5000, "nested deeper"),
+    ('{"profiles": [1, 2]}', "not a gradprofile file"),
+    ("\xff{", "not UTF-8"),
+    ('{"profiles": ', "not valid JSON"),
+])
+def test_a_bad_out_file_is_named_and_kept(text, says, tmp_path, capsys):
+    out = tmp_path / "step1.json"
+    out.write_bytes(text.encode("latin-1"))
+    assert gradprofile.main(["--out", str(out), "--sizes", "tiny", "--seeds", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out ") and str(out) in err and says in err and err.count("\n") == 1
+    assert out.read_bytes() == text.encode("latin-1")
+
+
+class _no_raise:
+    value = None
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

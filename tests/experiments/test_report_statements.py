@@ -1,0 +1,128 @@
+"""Each statement a report makes, checked against hand-built run folders whose true differences are known."""
+
+import json
+
+import pytest
+
+from hybridnorm import placements
+from hybridnorm.experiments.report import write_report
+from hybridnorm.experiments.runs import read_run
+
+
+def _run(root, placement, seed, val, *, lr=1e-3, init="megatron", extra=None, code=None, hardware=None,
+         diverged=False):
+    """A finished run folder written by hand; unigram baseline 6.0, so val < 5.9 is `trained`."""
+    run = root / "runs" / f"{placement}-{init}-lr{lr}-s{seed}"
+    run.mkdir(parents=True)
+    (run / "point.json").write_text(json.dumps({
+        "point": {"placement": placement, "init": init, "knobs": {"optim.lr": lr}, "seed": seed},
+        "config": {"max_steps": 10, "model": {"n_layers": 3, "init": init}, "optim": {"lr": lr},
+                   **(extra or {})}}))
+    meta = {"kind": "meta", "step": 0, "init": init, "unigram_entropy": 6.0,
+            **({"code": code} if code else {}), **({"hardware": hardware} if hardware else {})}
+    diag = {"kind": "diag", "step": 1, **{f"grad_norm/blocks.{i}": 1.0 + i for i in range(3)}}
+    recs = [meta, diag, {"kind": "train", "step": 10, "loss": val, "tokens": 100},
+            {"kind": "eval", "step": 10, "val_loss": val, "val_tokens": 100}]
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
+    if diverged:
+        (run / "divergence.json").write_text(json.dumps({"step": 7}))
+    (run / "done.json").write_text("{}")
+    return read_run(run)
+
+
+def _differs(tmp_path, runs):
+    text = write_report(runs, tmp_path).read_text()
+    line = next(x for x in text.splitlines() if x.startswith("**What differs between runs:**"))
+    return json.loads((tmp_path / "runs.json").read_text())["differs"], line
+
+
+def test_one_seed_three_placements_differ_in_placement_only(tmp_path):
+    runs = [_run(tmp_path, p, 0, 5.0) for p in ("pre", "post", "hybridnorm_star")]
+    differs, line = _differs(tmp_path, runs)
+    assert differs == ["placement"] and line.split(". Each")[0].endswith("runs:** `placement`")
+
+
+def test_a_sweep_names_the_placement_and_the_swept_field(tmp_path):
+    runs = [_run(tmp_path, p, 0, 5.0, lr=lr) for p in ("pre", "post") for lr in (1e-3, 1e-2)]
+    assert _differs(tmp_path, runs)[0] == ["placement", "optim.lr"]
+
+
+def test_seed_init_code_and_hardware_are_named_only_when_they_differ(tmp_path):
+    code_a = {"hybridnorm": "0.1.0", "torch": "2.1", "git_commit": "a" * 40, "git_dirty": False}
+    code_b = {**code_a, "git_commit": "b" * 40}
+    hw = {"device": "cpu", "cpu": "x"}
+    runs = [_run(tmp_path, "pre", 0, 5.0, init="megatron", code=code_a, hardware=hw),
+            _run(tmp_path, "pre", 1, 5.0, init="normal", code=code_b, hardware=hw)]
+    assert _differs(tmp_path, runs)[0] == ["init", "seed", "code"]
+    same = [_run(tmp_path / "b", "pre", 0, 5.0, code=code_a, hardware=hw)]
+    differs, line = _differs(tmp_path / "b", same)
+    assert differs == [] and "nothing (one configuration, one seed)" in line
+
+
+def test_equations_come_from_the_placements_generator_with_overrides_and_head(tmp_path):
+    runs = [_run(tmp_path, p, 0, 5.0) for p in ("pre", "hybridnorm_star")]
+    text = write_report(runs, tmp_path).read_text()
+    for name in ("pre", "hybridnorm_star"):
+        for eq in placements.equations(placements.get(name)):
+            assert f"  - {eq}" in text
+    star = placements.equations(placements.get("hybridnorm_star"))
+    assert star[0].startswith("block 1:") and any(e.startswith("logits =") for e in star)
+
+
+def test_sweep_plot_draws_runs_that_did_not_train_at_their_real_loss(tmp_path):
+    runs = [_run(tmp_path, "pre", 0, 5.0, lr=1e-3), _run(tmp_path, "pre", 1, 5.2, lr=1e-3),
+            _run(tmp_path, "pre", 0, 7.6, lr=1e-2), _run(tmp_path, "pre", 1, 5.1, lr=1e-2),
+            _run(tmp_path, "pre", 0, 7.8, lr=1e-1), _run(tmp_path, "pre", 1, 9.0, lr=1e-1, diverged=True)]
+    write_report(runs, tmp_path)
+    s = json.loads((tmp_path / "sweep_optim.lr.json").read_text())["pre"]
+    assert s["x"] == [1e-3, 1e-2, 1e-1]
+    assert s["y"] == [pytest.approx(5.1), pytest.approx(5.1), None]  # means of trained seeds only
+    assert s["not_trained"] == [{"x": 1e-2, "seed": 0, "verdict": "stalled", "val_loss": 7.6},
+                                {"x": 1e-1, "seed": 0, "verdict": "stalled", "val_loss": 7.8},
+                                {"x": 1e-1, "seed": 1, "verdict": "diverged", "val_loss": None}]
+
+
+def test_by_depth_plot_has_integer_block_ticks(tmp_path):
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    from hybridnorm.experiments import plots
+
+    runs = [_run(tmp_path, "pre", 0, 5.0)]
+    runs[0].label = "pre"
+    captured = {}
+    original = plt.Figure.savefig
+
+    def keep(fig, *a, **k):
+        captured["ticks"] = [t for ax in fig.axes for t in ax.get_xticks()]
+        captured["locators"] = [ax.xaxis.get_major_locator() for ax in fig.axes]
+        return original(fig, *a, **k)
+
+    plt.Figure.savefig = keep
+    try:
+        plots.by_depth(runs, tmp_path / "g.png", "grad_norm", [1], "g", "g")
+    finally:
+        plt.Figure.savefig = original
+    assert all(isinstance(loc, MaxNLocator) for loc in captured["locators"])
+    assert captured["ticks"] and all(float(t).is_integer() for t in captured["ticks"])
+
+
+def test_a_run_far_behind_the_best_of_its_budget_is_stalled_not_trained(tmp_path):
+    """Unigram 6.0; the best run gains 2.0 nats, so trained needs a gain ≥ 0.5 (25%): 5.8 (gain 0.2, above
+    the absolute 0.1 margin) is stalled beside it, 5.4 (gain 0.6) is trained. Alone, 5.8 is trained."""
+    from hybridnorm.experiments import verdict
+
+    runs = [_run(tmp_path, "pre", 0, 4.0), _run(tmp_path, "post", 0, 5.8), _run(tmp_path, "hybridnorm", 0, 5.4)]
+    write_report(runs, tmp_path)
+    got = {r["placement"]: r for r in json.loads((tmp_path / "runs.json").read_text())["runs"]}
+    assert [got[p]["verdict"] for p in ("pre", "post", "hybridnorm")] == ["trained", "stalled", "trained"]
+    assert "10% of the best same-budget run's 2.000" in got["post"]["verdict_reason"]
+    alone = verdict.judge(diverged=False, final_val_loss=5.8, unigram_entropy=6.0, first_train_loss=9.0,
+                          final_train_loss=5.8)
+    assert alone.verdict == "trained"
+    # another budget (more steps) is not a peer: its better loss does not raise the bar
+    other = _run(tmp_path / "b", "pre", 0, 3.0, extra={"max_steps": 50})
+    lone = _run(tmp_path / "b", "post", 0, 5.8)
+    write_report([other, lone], tmp_path / "b")
+    got = {r["placement"]: r["verdict"] for r in json.loads((tmp_path / "b" / "runs.json").read_text())["runs"]}
+    assert got == {"pre": "trained", "post": "trained"}
