@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, str]] = [
     ("hybridnorm.diagnostics", "forward hooks on nn modules, parameter-group norms; no training loop"),
     ("hybridnorm.train", "trainer, checkpoints, optimizer, and train.run: opening a run folder"),
     ("hybridnorm.hf", "HF classes, stock weight maps, export/import of runs (opens runs via train.run)"),
-    ("hybridnorm.train.load", "load_run opens a run OR an HF folder, so it sits above both"),
+    ("hybridnorm.loading", "load_run opens a run OR an HF folder, so it sits above both"),
     ("hybridnorm.eval", "scoring, perplexity and lm-eval on a loaded run"),
     ("hybridnorm.experiments", "grids of training runs, verdicts and reports"),
     ("hybridnorm.cli", "the command line: may import everything"),
@@ -148,7 +148,7 @@ def test_graph_is_read():
     edges = _graph()
     assert len(MODULES) > 40
     assert "hybridnorm.nn.model" in edges["hybridnorm.config"]  # ModelConfig.build's function-level import
-    assert "hybridnorm.hf.export" in edges["hybridnorm.train.load"]  # a lazy import for an optional extra
+    assert "hybridnorm.hf.export" in edges["hybridnorm.loading"]  # a lazy import for an optional extra
 
 
 def test_no_import_cycles():

@@ -128,8 +128,8 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
+    from hybridnorm.loading import load_run
     from hybridnorm.nn.model import check_generate_args
-    from hybridnorm.train.load import load_run
 
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed, as_options=True)  # pre-load
     if not is_utf8(args.prompt):
@@ -179,7 +179,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 def _import(args: argparse.Namespace, extra: list[str]) -> int:
     _require_hf("import")
     from hybridnorm.hf.export import import_hf
-    from hybridnorm.train.load import load_run
+    from hybridnorm.loading import load_run
 
     run = load_run(import_hf(args.hf_dir, args.out, allow_pickle=args.allow_pickle))
     mc = run.config.model

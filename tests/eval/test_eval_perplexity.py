@@ -12,7 +12,7 @@ from hybridnorm.data import KJV_VAL_BOOKS
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.perplexity import count_words, perplexity, perplexity_of_run, read_documents
 from hybridnorm.eval.scoring import loglikelihood_rolling
-from hybridnorm.train.load import load_run
+from hybridnorm.loading import load_run
 
 DOCS = ["the lord said unto moses.", " milk  and honey\n", "café au lait"]
 # by hand: words are the pieces between whitespace runs, so the leading and trailing space of the second

@@ -12,7 +12,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 import transformers
 
 from hybridnorm.cli import main
-from hybridnorm.train.load import load_run
+from hybridnorm.loading import load_run
 
 
 def test_export_own_class_then_import_back(trained_run: Path, tmp_path: Path, capsys) -> None:

@@ -23,8 +23,8 @@ from hybridnorm.cli import main
 from hybridnorm.config import ModelConfig
 from hybridnorm.data.tokenizer import ByteTokenizer
 from hybridnorm.hf.export import export_model
+from hybridnorm.loading import load_run
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.train.load import load_run
 
 EVIL_CODE = """import pathlib
 pathlib.Path({marker!r}).write_text("the folder's code ran")

@@ -19,8 +19,8 @@ from hybridnorm.config import MoEConfig
 from hybridnorm.data.tokenizer import ByteTokenizer, train_bpe
 from hybridnorm.hf import HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.hf.export import export_model, export_run, hf_tokenizer
+from hybridnorm.loading import load_run
 from hybridnorm.nn.model import lm_loss
-from hybridnorm.train.load import load_run
 
 
 def tiny(placement: str = "hybridnorm_star", **kw) -> ModelConfig:

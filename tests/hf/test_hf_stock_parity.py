@@ -18,7 +18,7 @@ from hybridnorm.config import MoEConfig
 from hybridnorm.data.tokenizer import ByteTokenizer
 from hybridnorm.hf import stock
 from hybridnorm.hf.export import export_model, import_hf, load_hf
-from hybridnorm.train.load import load_run
+from hybridnorm.loading import load_run
 
 TOL = 1e-5
 OLMOE_PLACEMENT = P.get("qk_norm").replace_blocks(qkv_norm_scope="full").to_dict() | {"name": "olmoe_like"}

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
 from hybridnorm.cli import main
 from hybridnorm.hf.export import export_run
-from hybridnorm.train.load import load_run
+from hybridnorm.loading import load_run
 
 NEW = 24
 PROMPTS = ["and the", "the people shall keep my"]

@@ -34,8 +34,8 @@ from hybridnorm.train.checkpoint import (
     list_checkpoints,
     load_weights,
 )
+from hybridnorm.train.checkpoint.retention import checkpoint_for_resume
 from hybridnorm.train.config import TrainConfig, apply_overrides
-from hybridnorm.train.retention import checkpoint_for_resume
 
 STEPS = 6
 COMMON = (f"--max_steps={STEPS}", "--ckpt_interval=3", "--grad_accum=2")  # accum: no_sync on micro-batch 1
@@ -229,7 +229,7 @@ def test_hsdp_replicas_write_one_copy_and_resume_alone(runs):
 
 def test_eval_opens_a_sharded_checkpoint_without_unpickling(runs, monkeypatch):
     """``hybridnorm eval`` (load_run -> open_run -> load_weights) on the 2-rank run scores what the run did."""
-    from hybridnorm.train.load import evaluate_run, load_run
+    from hybridnorm.loading import evaluate_run, load_run
 
     def refuse(*a, **k):
         raise AssertionError("a checkpoint was unpickled")

@@ -21,7 +21,7 @@ from hybridnorm.train.checkpoint import (
     verify_checkpoint,
 )
 from hybridnorm.train.checkpoint import TrainState as State
-from hybridnorm.train.retention import checkpoint_for_resume, prune_checkpoints
+from hybridnorm.train.checkpoint.retention import checkpoint_for_resume, prune_checkpoints
 
 
 def _names(root) -> list[str]:

@@ -19,10 +19,10 @@ from checkpoint_helpers import model_and_optimizer, snapshot, start_trainer, tra
 from safetensors import SafetensorError
 from train_helpers import tiny_overrides
 
-import hybridnorm.train.checkpoint as checkpoint
+import hybridnorm.train.checkpoint.save as checkpoint
 from hybridnorm import cli
 from hybridnorm.train.checkpoint import CheckpointSaveError, latest_checkpoint, list_checkpoints, verify_checkpoint
-from hybridnorm.train.lock import LOCK_NAME
+from hybridnorm.train.checkpoint.lock import LOCK_NAME
 
 
 def _error_line(err: str) -> str:

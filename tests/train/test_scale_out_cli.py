@@ -41,7 +41,7 @@ def test_fsdp_run_resumes_in_one_process_and_exports(corpus, cache_dir, no_peak_
     from transformers import AutoModelForCausalLM
 
     import hybridnorm.hf  # noqa: F401  (registers the hybridnorm class with the Auto factories)
-    from hybridnorm.train.load import load_run
+    from hybridnorm.loading import load_run
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     ours = load_run(out).model

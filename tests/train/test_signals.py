@@ -44,8 +44,8 @@ WRAPPER = textwrap.dedent('''
             return original(*args, **kwargs)
         return held
 
-    import hybridnorm.train.checkpoint as checkpoint
-    import hybridnorm.train.lock as lock
+    import hybridnorm.train.checkpoint.save as checkpoint
+    import hybridnorm.train.checkpoint.lock as lock
     import hybridnorm.train.logger as logger
     import hybridnorm.train.trainer as trainer
 

@@ -30,7 +30,7 @@ import torch
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.scoring import encode_pair, greedy_until, loglikelihood, loglikelihood_rolling
-from hybridnorm.train.load import Run, load_run
+from hybridnorm.loading import Run, load_run
 
 PIP_HINT = "pip install 'hybridnorm[eval]'"
 OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
@@ -68,7 +68,7 @@ def _positive_int(value: object, name: str) -> int:
 
 class HybridNormLM(_LMBase):
     """An lm-eval ``LM`` over a hybridnorm run: ``pretrained`` is a run folder, a ``checkpoints/step_*``
-    folder, or a loaded :class:`~hybridnorm.train.load.Run`. ``device`` defaults to CUDA when available
+    folder, or a loaded :class:`~hybridnorm.loading.Run`. ``device`` defaults to CUDA when available
     for a run loaded here and to the model's current device for a given ``Run``. ``max_batch_size`` (which
     lm-eval passes along with ``batch_size``) is accepted and ignored: batches are fixed-size."""
 

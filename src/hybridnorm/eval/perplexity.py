@@ -32,7 +32,7 @@ from hybridnorm.eval.scoring import loglikelihood_rolling
 from hybridnorm.nn.model import TransformerLM
 
 if TYPE_CHECKING:
-    from hybridnorm.train.load import Run
+    from hybridnorm.loading import Run
 
 
 @dataclass(frozen=True)

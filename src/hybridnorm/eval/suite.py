@@ -15,7 +15,7 @@ from typing import Any
 from hybridnorm.config_base import Config, bounded
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
-from hybridnorm.train.load import Run, evaluate_run, load_run
+from hybridnorm.loading import Run, evaluate_run, load_run
 
 
 @dataclass

@@ -18,7 +18,7 @@ parameters and ``.grad`` are ``DTensor`` s; ``torch.nn.utils.clip_grad_norm_`` c
 local shard, all-reduces it and returns a replicated ``DTensor`` (the same total norm on every rank, ``.item()``
 works), and clips each shard by it — so the loop's clipping, guards and logging run unchanged (checked in
 ``tests/train/test_fsdp.py``: the norms match one process). Checkpoints are written sharded
-(:mod:`hybridnorm.train.checkpoint_shards`).
+(:mod:`hybridnorm.train.checkpoint.shards`).
 
 Mixed precision: on CUDA with ``precision=bf16`` the units get ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``: weights are gathered in bf16 (half the all-gather bytes, no per-op weight casts) while

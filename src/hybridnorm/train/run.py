@@ -1,6 +1,6 @@
 """A trained run on disk: open its folder (or one checkpoint in it) as model, tokenizer and config.
 
-Runs only. :func:`hybridnorm.train.load.load_run` opens a run OR a Hugging Face model folder; it sits above
+Runs only. :func:`hybridnorm.loading.load_run` opens a run OR a Hugging Face model folder; it sits above
 ``hybridnorm.hf`` (which itself opens runs through this module to export them), so the two never import
 each other.
 """

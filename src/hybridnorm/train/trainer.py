@@ -38,7 +38,10 @@ from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
 from hybridnorm.train.batch_split import per_step_state, resolve_split
 from hybridnorm.train.checkpoint import (
+    ResumePoint,
     TrainState,
+    checkpoint_for_resume,
+    claim_run_dir,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -57,7 +60,6 @@ from hybridnorm.train.distributed import (
 )
 from hybridnorm.train.flops import flops_per_token, measured_peak_flops
 from hybridnorm.train.host_sync import PendingSteps, StepRecord, deferred
-from hybridnorm.train.lock import claim_run_dir
 from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, set_lr
 from hybridnorm.train.parallel import data_parallel, shard_model
@@ -65,7 +67,6 @@ from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.provenance import code_versions, hardware
 from hybridnorm.train.resume_guard import check_resume
-from hybridnorm.train.retention import ResumePoint, checkpoint_for_resume
 from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
 from hybridnorm.train.stop import StopFlag
 

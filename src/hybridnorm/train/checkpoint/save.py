@@ -11,14 +11,14 @@ Layout of one checkpoint (``<run>/checkpoints/step_000100/``)::
                             a complete checkpoint and its hashes catch truncation and corruption
 
 A run whose weights are FSDP shards writes the sharded layout instead (``model-r<rank>.safetensors`` and
-``optimizer-r<rank>.safetensors`` per rank, see :mod:`hybridnorm.train.checkpoint_layout`): every rank writes
+``optimizer-r<rank>.safetensors`` per rank, see :mod:`hybridnorm.train.checkpoint.layout`): every rank writes
 its own pieces into the same temporary folder, then rank 0 writes the rest and the manifest over all of them.
-Either layout loads into either kind of run (:mod:`hybridnorm.train.checkpoint_load`).
+Either layout loads into either kind of run (:mod:`hybridnorm.train.checkpoint.load`).
 
 A checkpoint is written to a temporary folder and renamed into place (atomic on POSIX); a save that fails
 (a full disk, an I/O error — on any rank) removes its temporary folder, leaves every earlier checkpoint as it
 was and raises :class:`CheckpointSaveError` saying why (on every rank). Then :func:`prune_checkpoints` keeps
-the newest ``keep_last`` good ones (see :mod:`hybridnorm.train.retention`: corrupt ones are set aside, never
+the newest ``keep_last`` good ones (see :mod:`hybridnorm.train.checkpoint.retention`: corrupt ones are set aside, never
 deleted). Loading checks every file first (:func:`check_checkpoint`: hashes and schema) and changes nothing
 on disk; :func:`latest_checkpoint` skips a corrupt one with a warning naming the bad file.
 """
@@ -40,23 +40,21 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hybridnorm.errors import ConfigError
-from hybridnorm.train.checkpoint_format import (
+from hybridnorm.train.checkpoint.format import (
     FILES,
     MANIFEST,
     CheckpointError,
     check_checkpoint,
     list_checkpoints,
     sha256_of,
-    verify_checkpoint,
 )
-from hybridnorm.train.checkpoint_layout import COMMON, KINDS, shard_file, shard_ranks
-from hybridnorm.train.checkpoint_load import TrainState, load_checkpoint, load_weights
-from hybridnorm.train.checkpoint_shards import is_sharded, local_pieces
+from hybridnorm.train.checkpoint.layout import COMMON, KINDS, shard_file, shard_ranks
+from hybridnorm.train.checkpoint.load import TrainState
+from hybridnorm.train.checkpoint.retention import prune_checkpoints
+from hybridnorm.train.checkpoint.shards import is_sharded, local_pieces
 from hybridnorm.train.distributed import Dist, all_reduce_max, current_dist
-from hybridnorm.train.retention import prune_checkpoints
 
-__all__ = ["FILES", "CheckpointError", "CheckpointSaveError", "TrainState", "check_checkpoint", "latest_checkpoint",
-           "list_checkpoints", "load_checkpoint", "load_weights", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["CheckpointSaveError", "latest_checkpoint", "save_checkpoint"]
 
 
 class CheckpointSaveError(ConfigError):

@@ -17,7 +17,7 @@ So each file says by itself what it holds, and the global shapes are recorded in
 pieces of every tensor lie inside it, share one dtype and cover it exactly once (total volume = the tensor's,
 no two overlap) — a lost or duplicated piece is a corrupt checkpoint, never a silently zeroed weight.
 Any slice of any tensor can then be read back from either layout, so a checkpoint written by N processes
-loads into M (:mod:`hybridnorm.train.checkpoint_shards`).
+loads into M (:mod:`hybridnorm.train.checkpoint.shards`).
 
 Every file is safetensors or JSON: nothing here (or anywhere in loading) unpickles.
 """

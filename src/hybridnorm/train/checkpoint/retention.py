@@ -13,7 +13,7 @@ Rules, each there because breaking it once loses a run:
   none but there were checkpoints (now, or set aside before), resuming is refused: restarting at step 0
   would silently throw the run's progress away.
 
-Both checkpoint layouts (whole, or sharded by FSDP ranks: :mod:`hybridnorm.train.checkpoint_layout`) follow
+Both checkpoint layouts (whole, or sharded by FSDP ranks: :mod:`hybridnorm.train.checkpoint.layout`) follow
 these rules alike. "Good" means :func:`check_checkpoint` passes (hashes and the schema of every file).
 Hashing gigabytes at every save would be slow, so a checkpoint that passed in this process is remembered
 with the size, mtime and inode of each of its files, and checked again only when one of them changes (each
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridnorm.train.checkpoint_format import CheckpointError, check_checkpoint, list_checkpoints
+from hybridnorm.train.checkpoint.format import CheckpointError, check_checkpoint, list_checkpoints
 
 CORRUPT_DIR = "corrupt"
 

@@ -5,7 +5,7 @@ storage, or edited by hand (with a manifest rewritten to match). So nothing in a
 ``torch`` unchecked: :func:`verify_checkpoint` compares every file with ``manifest.json`` (size and sha256)
 and :func:`check_checkpoint` also checks the *schema* of each file — JSON types and required keys of
 ``state.json``, the tensor names, dtypes and shapes of the safetensors files, and that the optimizer
-tensors are the ones ``state.json`` says were written. Both layouts (:mod:`hybridnorm.train.checkpoint_layout`)
+tensors are the ones ``state.json`` says were written. Both layouts (:mod:`hybridnorm.train.checkpoint.layout`)
 pass the same checks; a sharded one as the whole tensors its pieces tile. Any failure is a
 :class:`CheckpointError` (a ``ConfigError``: one ``error:`` line on the command line) naming the exact file
 at fault; no other exception type escapes and nothing on disk is changed.
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hybridnorm import plain_data
-from hybridnorm.train.checkpoint_layout import (
+from hybridnorm.train.checkpoint.layout import (
     FILES,
     MANIFEST,
     CheckpointError,
@@ -83,7 +83,7 @@ def read_json(path: Path) -> Any:
 
 
 def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
-    """``manifest.json``: for each file of its layout (:func:`~hybridnorm.train.checkpoint_layout.layout_files`),
+    """``manifest.json``: for each file of its layout (:func:`~hybridnorm.train.checkpoint.layout.layout_files`),
     ``{"bytes": int >= 0, "sha256": 64 hex digits}``."""
     path = ckpt / MANIFEST
     if not path.is_file():

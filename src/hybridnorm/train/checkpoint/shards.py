@@ -1,7 +1,7 @@
 """Between live tensors — whole, or ``DTensor`` shards under FSDP — and the pieces a checkpoint stores.
 
 Saving: each process writes the pieces it holds (:func:`local_pieces`): the local shard of every ``DTensor``
-under the key ``<name>@<offset>`` (:mod:`hybridnorm.train.checkpoint_layout`), once per shard (of replicas
+under the key ``<name>@<offset>`` (:mod:`hybridnorm.train.checkpoint.layout`), once per shard (of replicas
 of a shard under HSDP only the first writes it), and rank 0 also every whole tensor.
 
 Loading: :class:`TensorReader` reads any slice of any tensor of a checkpoint, from either layout, opening
@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from hybridnorm.train.checkpoint_layout import (
+from hybridnorm.train.checkpoint.layout import (
     CheckpointError,
     Piece,
     ShardedTensor,

@@ -1,8 +1,8 @@
 """Reading a checkpoint back into a model and its optimizer — whatever layout wrote it, whatever this run's is.
 
-Everything is checked (:func:`~hybridnorm.train.checkpoint_format.check_checkpoint`: hashes and the schema of
+Everything is checked (:func:`~hybridnorm.train.checkpoint.format.check_checkpoint`: hashes and the schema of
 every file) and read before anything is changed, so a refused checkpoint leaves model and optimizer as they
-were. Weights and optimizer state are read slice by slice (:class:`~hybridnorm.train.checkpoint_shards.
+were. Weights and optimizer state are read slice by slice (:class:`~hybridnorm.train.checkpoint.shards.
 TensorReader`): each live tensor gets exactly its part — all of it in one process, its ``DTensor`` shard
 under FSDP — from whichever stored pieces hold it. That is resharding: a checkpoint of 2 FSDP ranks resumes
 in 1 process (or generate/eval/export opens it), one of 1 process resumes on 2 FSDP ranks, and N on M.
@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hybridnorm.errors import ConfigError
-from hybridnorm.train.checkpoint_format import CheckpointError, check_checkpoint
-from hybridnorm.train.checkpoint_shards import TensorReader, like, local_box
+from hybridnorm.train.checkpoint.format import CheckpointError, check_checkpoint
+from hybridnorm.train.checkpoint.shards import TensorReader, like, local_box
 from hybridnorm.train.tensor_check import DTYPE_NAMES, check_finite, check_header_dtypes
 
 
