@@ -50,6 +50,24 @@ def test_claim_rows_from_hand_built_profiles(tmp_path):
     assert figure2.imbalance(profiles[0]) == pytest.approx(1.0)
 
 
+def test_the_second_measure_leaves_the_first_two_blocks_out(tmp_path):
+    """HybridNorm's first block carries 20× the gradient of a flat rest, Pre-Norm's falls 2× per block:
+    last/first calls HybridNorm less balanced, last/third (blocks 3-5 only) more."""
+    def prof(placement, seed, blocks):
+        return {"size": "550m", "init": "default", "placement": placement, "seed": seed, "resolved_init": "x",
+                "block": blocks, "attn": blocks, "ffn": [0.0] * len(blocks)}
+
+    profiles = [prof("pre", s, [16.0, 8.0, 4.0, 2.0, 1.0 + 0.01 * s]) for s in range(3)]
+    profiles += [prof("hybridnorm", s, [20.0, 1.0, 1.0, 1.0, 0.95 - 0.01 * s]) for s in range(3)]
+    (tmp_path / "figure2").mkdir()
+    (tmp_path / "figure2" / "step1.json").write_text(json.dumps({"profiles": profiles}))
+    first, past = claims.claim_figure2(tmp_path)
+    assert "depth than Pre-Norm's (550m, init default) | **contradicted** | last/first" in first
+    assert "depth past the first two blocks than Pre-Norm's (550m, init default) | **supported** |" in past
+    assert "last/third block grad ratio per seed hybridnorm 0.95/0.94/0.93 vs pre 0.25/0.25/0.26" in past
+    assert figure2.imbalance(profiles[3], skip=2) == pytest.approx(-math.log10(0.95))
+
+
 @pytest.mark.parametrize("args, names", [
     (["--sizes", "551m"], ["551m"]),
     (["--placements", "pre,prenorm"], ["prenorm"]),

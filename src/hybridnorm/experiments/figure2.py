@@ -29,9 +29,10 @@ def load(path: Path) -> list[dict[str, Any]]:
     return plain_data.loads(path.read_bytes())["profiles"] if path.is_file() else []
 
 
-def imbalance(profile: dict[str, Any]) -> float:
-    """|log10(last block's gradient norm / first block's)| of one profile (whole blocks)."""
-    first, last = profile["block"][0], profile["block"][-1]
+def imbalance(profile: dict[str, Any], skip: int = 0) -> float:
+    """|log10(last block's gradient norm / first block's)| of one profile (whole blocks); with ``skip``,
+    the first ``skip`` blocks are left out (block ``skip + 1`` is the first)."""
+    first, last = profile["block"][skip], profile["block"][-1]
     return abs(math.log10(last / first)) if first > 0 and last > 0 else math.inf
 
 
