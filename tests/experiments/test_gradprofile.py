@@ -107,3 +107,35 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_step_n_profiles_come_from_the_runs_diagnostics(corpus, cache_dir, tmp_path):
+    """Two tiny training runs with diagnostics every 3 steps: the step-3 profile of each is its diag record
+    (attention, FFN and whole-block norms in block order), size/placement/init/seed from its config; a run
+    short of the step is left out; the plot and the claim rows read the collected JSON."""
+    from train_helpers import tiny_overrides
+
+    import hybridnorm.train.trainer as trainer
+    from hybridnorm.train.config import TrainConfig, apply_overrides
+
+    runs = tmp_path / "step3"
+    for placement, steps in (("pre", 3), ("hybridnorm", 3), ("post", 2)):
+        cfg = TrainConfig.from_dict(apply_overrides({}, [*tiny_overrides(corpus, cache_dir, runs / placement),
+                                                         f"--model.placement={placement}", f"--max_steps={steps}",
+                                                         "--diagnostics.every=3"]))
+        trainer.train(cfg, quiet=True)
+    found = figure2.from_runs(runs, 3)
+    assert [(p["placement"], p["size"], p["seed"], p["step"]) for p in found] == [
+        ("hybridnorm", "tiny", 0, 3), ("pre", "tiny", 0, 3)]  # post stopped at step 2
+    diag = next(json.loads(line) for line in (runs / "pre" / "metrics.jsonl").read_text().splitlines()
+                if '"diag"' in line and json.loads(line)["step"] == 3)
+    pre = found[1]
+    assert pre["attn"] == [diag["grad_norm/blocks.0.attn"], diag["grad_norm/blocks.1.attn"]]
+    assert pre["block"] == [diag["grad_norm/blocks.0"], diag["grad_norm/blocks.1"]]
+    out = tmp_path / "results" / "figure2" / "step100.json"
+    assert figure2.main(["--from-runs", str(runs), "--step", "3", str(out)]) == 0
+    assert out.with_suffix(".png").stat().st_size > 1000
+    rows = claims.claim_figure2(tmp_path / "results")  # read as step100.json: the file name sets the step
+    # 2 blocks: the whole-depth row only (nothing is left past the first two blocks)
+    assert len(rows) == 1 and "hybridnorm's step-100 gradient norms are more balanced across depth than" in rows[0]
+    assert "(1 seed)" in rows[0], rows

@@ -201,19 +201,32 @@ def claim_balance(cells: list[Cell], inits: list[str]) -> list[str]:
     return rows
 
 
+FIGURE2_STEPS = (1, 100)  # docs/results/figure2/step<N>.json, when present
+
+
 def claim_figure2(results: Path) -> list[str]:
-    """Figure 2 at the paper's sizes: HybridNorm(*)'s step-1 gradients more balanced than Pre-Norm's."""
-    by_cell = figure2.cells(figure2.load(results / "figure2" / "step1.json"))
+    """Figure 2 at the paper's sizes: HybridNorm(*)'s gradients at steps 1 and 100 more balanced than Pre-Norm's."""
+    rows = []
+    for step in FIGURE2_STEPS:
+        rows += _figure2_rows(figure2.load(results / "figure2" / f"step{step}.json"), step)
+    return rows
+
+
+def _figure2_rows(profiles: list[dict[str, Any]], step: int) -> list[str]:
+    by_cell = figure2.cells(profiles)
     rows = []
     for (size, init, h), seeds in sorted(by_cell.items()):
         pre = by_cell.get((size, init, "pre"), {})
         if h not in (*HYBRIDS, "post") or not pre:
             continue
+        depth = min(len(p["block"]) for p in (*seeds.values(), *pre.values()))
         for skip, where, ratio in ((0, "", "last/first"), (2, " past the first two blocks", "last/third")):
+            if depth < skip + 2:  # fewer than two blocks left to compare
+                continue
             spread = {s: figure2.imbalance(seeds[s], skip) - figure2.imbalance(pre[s], skip)
                       for s in seeds.keys() & pre.keys()}
             d = paired_difference(spread, {s: 0.0 for s in spread})
-            rows.append(f"| {h}'s step-1 gradient norms are more balanced across depth{where} than Pre-Norm's "
+            rows.append(f"| {h}'s step-{step} gradient norms are more balanced across depth{where} than Pre-Norm's "
                         f"({size}, init {init}) | {judge(d)} | {ratio} block grad ratio per seed {h} "
                         f"{_last_over(seeds, skip)} vs pre {_last_over(pre, skip)}; Δ|log10 ratio| = {d} |")
     return rows
@@ -252,10 +265,11 @@ def claim_table(results: Path) -> str:
     rows = [*claim_lower_loss(a, inits, planned), *claim_stability(a, inits), *claim_depth(b),
             *claim_balance(a, inits), *claim_figure2(results), *claim_init(a, inits)]
     n_a = len({(c.placement, c.init, c.knob, s) for c in a for s in c.verdicts})
-    n_f = len(figure2.load(results / "figure2" / "step1.json"))
+    n_f = {step: len(figure2.load(results / "figure2" / f"step{step}.json")) for step in FIGURE2_STEPS}
+    profiles = [f"{n} step-{step} gradient profiles of `figure2/step{step}.json`" for step, n in n_f.items() if n]
     head = (f"Derived by `python -m hybridnorm.experiments.claims docs/results` from {n_a} finished runs of study A "
             f"and {sum(len(c.verdicts) for c in b)} of study B"
-            + (f", and {n_f} step-1 gradient profiles of `figure2/step1.json`" if n_f else "")
+            + (f", and {' and '.join(profiles)}" if profiles else "")
             + " (rules in that module's docstring).\n\n"
             "| claim | status at this scale | evidence (factors held equal) |\n|---|---|---|\n")
     return head + "\n".join(rows) + "\n"

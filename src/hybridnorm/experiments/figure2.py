@@ -3,12 +3,20 @@ weights against the block index, one line per placement (mean over seeds, each s
 
     python -m hybridnorm.experiments.figure2 docs/results/figure2/step1.json
 
-writes ``step1.png`` beside the JSON. The balance measure the claim table uses is here too:
-|log10(‖∇ last block‖ / ‖∇ first block‖)| per profile, 0 for perfectly even gradients across depth.
+writes ``step1.png`` beside the JSON. Step 100 comes from training runs (the documented ``hybridnorm train``
+command, one folder per size and placement, diagnostics every 100 steps); their diagnostics records become
+profiles of the same shape, then the same plot::
+
+    python -m hybridnorm.experiments.figure2 --from-runs RUNS_DIR --step 100 docs/results/figure2/step100.json
+
+The balance measure the claim table uses is here too: |log10(‖∇ last block‖ / ‖∇ first block‖)| per
+profile, 0 for perfectly even gradients across depth.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import sys
 from collections import defaultdict
@@ -23,15 +31,48 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
 from hybridnorm import plain_data
+from hybridnorm.config import SIZES
+from hybridnorm.errors import ConfigError
+from hybridnorm.experiments.runs import _metric_records
+from hybridnorm.train.config import TrainConfig
 
 
 def load(path: Path) -> list[dict[str, Any]]:
     return plain_data.loads(path.read_bytes())["profiles"] if path.is_file() else []
 
 
+def size_of(cfg: TrainConfig) -> str:
+    """The size preset whose width and depth the run's model has (``custom`` if none)."""
+    m = cfg.model
+    return next((name for name, p in SIZES.items() if (p["d_model"], p["n_layers"], p["ffn_hidden_size"], "moe" in p)
+                 == (m.d_model, m.n_layers, m.ffn_hidden_size, m.moe is not None)), "custom")
+
+
+def from_runs(root: Path, step: int) -> list[dict[str, Any]]:
+    """One profile per run folder under ``root`` whose ``metrics.jsonl`` has a diagnostics record at
+    ``step``; runs that have not reached it are left out (listed on stderr)."""
+    out = []
+    for run in sorted(p for p in root.iterdir() if (p / "metrics.jsonl").is_file()):
+        records = _metric_records(run / "metrics.jsonl")
+        diag = next((r for r in records if r.get("kind") == "diag" and r.get("step") == step), None)
+        if diag is None:
+            print(f"{run}: no diagnostics at step {step} yet", file=sys.stderr)
+            continue
+        cfg = TrainConfig.load(run / "config.yaml")
+        meta = next((r for r in records if r.get("kind") == "meta"), {})
+        train = next((r for r in records if r.get("kind") == "train" and r.get("step") == step), {})
+        n = cfg.model.n_layers
+        out.append({"size": size_of(cfg), "placement": cfg.model.placement, "init": cfg.model.init,
+                    "resolved_init": meta.get("init", cfg.model.resolved_init()), "seed": cfg.seed, "step": step,
+                    "loss": train.get("loss"), "tokens": cfg.tokens_per_step, "run": run.name,
+                    **{part: [float(diag.get(f"grad_norm/blocks.{i}{suffix}", 0.0)) for i in range(n)]
+                       for part, suffix in (("attn", ".attn"), ("ffn", ".ffn"), ("block", ""))}})
+    return out
+
+
 def imbalance(profile: dict[str, Any], skip: int = 0) -> float:
     """|log10(last block's gradient norm / first block's)| of one profile (whole blocks); with ``skip``,
-    the first ``skip`` blocks are left out (block ``skip + 1`` is the first)."""
+    the first ``skip`` blocks are left out (block ``skip + 1`` is the first; it must exist)."""
     first, last = profile["block"][skip], profile["block"][-1]
     return abs(math.log10(last / first)) if first > 0 and last > 0 else math.inf
 
@@ -65,7 +106,7 @@ def plot(profiles: Sequence[dict[str, Any]], path: Path) -> Path:
             ax.set_yscale("log")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set(xlabel="block", ylabel=f"‖∇‖ of the {'attention' if part == 'attn' else 'FFN'} weights",
-                   title=f"{size}, init {init}: {part}, step 1")
+                   title=f"{size}, init {init}: {part}, step {profiles[0].get('step', 1)}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     fig.tight_layout()
@@ -75,13 +116,26 @@ def plot(profiles: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    src = Path(args[0] if args else "docs/results/figure2/step1.json")
-    profiles = load(src)
+    ap = argparse.ArgumentParser(prog="python -m hybridnorm.experiments.figure2", description=__doc__.split("\n")[0])
+    ap.add_argument("json", type=Path, nargs="?", default=Path("docs/results/figure2/step1.json"))
+    ap.add_argument("--from-runs", type=Path, help="collect the profiles from the run folders under this folder")
+    ap.add_argument("--step", type=int, default=100, help="with --from-runs: the diagnostics step")
+    a = ap.parse_args(argv)
+    try:
+        if a.from_runs:
+            if not a.from_runs.is_dir():
+                raise ConfigError(f"--from-runs {a.from_runs}: not a folder")
+            found = from_runs(a.from_runs, a.step)
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps({"profiles": found}, indent=1), encoding="utf-8")
+        profiles = load(a.json)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     if not profiles:
-        print(f"no profiles in {src}", file=sys.stderr)
+        print(f"no profiles in {a.json}", file=sys.stderr)
         return 1
-    print(plot(profiles, src.with_suffix(".png")))
+    print(plot(profiles, a.json.with_suffix(".png")))
     return 0
 
 
