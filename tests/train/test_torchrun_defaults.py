@@ -89,3 +89,28 @@ def test_a_global_batch_no_process_count_can_share_is_refused_naming_the_counts(
                           for e in errors), proc.stderr[-2000:]
     frames = [line for line in proc.stderr.splitlines() if line.strip().startswith("File ")]
     assert not any("hybridnorm" in f for f in frames), proc.stderr[-3000:]  # torchrun's own traceback only
+
+
+def test_fsdp_async_checkpoints_are_the_synchronous_ones(kjv_cache, tmp_path):
+    """Under FSDP with ``--async_checkpoint=true`` each rank writes its shards in the background while the
+    steps go on; every checkpoint is byte-identical to the synchronous run's and resumes in one process."""
+    from checkpoint_helpers import snapshot
+
+    from hybridnorm.train.checkpoint import list_checkpoints, verify_checkpoint
+
+    folders = {}
+    for mode in ("false", "true"):
+        out = tmp_path / mode
+        done = run(torchrun("train", "--size", "tiny", "--parallel=fsdp", "--max-steps", "10", "--ckpt_interval=5",
+                            f"--async_checkpoint={mode}", "--out", str(out)), kjv_cache)
+        assert done.returncode == 0, done.stderr[-3000:]
+        folders[mode] = out
+    names = [p.name for p in list_checkpoints(folders["true"] / "checkpoints")]
+    assert names == ["step_000005", "step_000010"]
+    for name in names:
+        verify_checkpoint(folders["true"] / "checkpoints" / name)
+        assert snapshot(folders["true"] / "checkpoints" / name) == snapshot(folders["false"] / "checkpoints" / name)
+    assert not list((folders["true"] / "checkpoints").glob(".tmp_*"))
+    resumed = run(hybridnorm("train", "--size", "tiny", "--max-steps", "15", "--out", str(folders["true"]),
+                             "--resume"), kjv_cache)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]

@@ -81,6 +81,8 @@ class TrainConfig(Config):
     eval_batches: int = bounded(16, ge=1)
     ckpt_interval: int = bounded(100, ge=1)
     keep_last: int = bounded(3, ge=0)         # checkpoints kept; 0 = all
+    async_checkpoint: bool = False            # write checkpoint files while the next steps run (published
+                                              # when complete, before the next save and before exit)
     out_dir: str = "runs/default"
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)  # off unless every > 0
 

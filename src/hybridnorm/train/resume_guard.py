@@ -37,7 +37,7 @@ FREE_MODEL_FIELDS = frozenset({"model.fast_kernels", "model.init", "model.init_s
 # it derives as a batch_split_derived event (hybridnorm.train.batch_split)
 RUN_CONTROL_FIELDS = frozenset({"out_dir", "data.cache_dir", "max_minutes", "stop_after_steps", "log_interval",
                                 "eval_interval", "ckpt_interval", "keep_last", "batch_size", "grad_accum",
-                                "global_batch", "dist_timeout"})
+                                "global_batch", "dist_timeout", "async_checkpoint"})
 
 
 def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer) -> list[str]:

@@ -45,7 +45,7 @@ from hybridnorm.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    save_checkpoint,
+    start_checkpoint,
 )
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import (
@@ -226,15 +226,34 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         log.log(state.step, {"val_loss": result.val_loss, "val_ppl": math.exp(min(result.val_loss, 50)),
                              "val_tokens": n_scored}, "eval")
 
-    def save() -> None:
-        state.data = batches.state_dict()
-        state.extra["spike_detector"] = spikes.state_dict()
-        failed = None
-        try:  # FSDP: every rank writes (and agrees inside); DDP: rank 0 alone, so the others must learn its fate
-            save_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last, d)
+    saving: dict[str, Any] = {}  # the save in flight, alike on every rank: {"step": N, "pending": PendingSave}
+
+    def finish_save(failed: ConfigError | None = None) -> None:
+        """Publish the save in flight (one at a time). FSDP: every rank wrote its part and agrees inside;
+        DDP: rank 0 alone wrote it, so the others must learn its fate."""
+        if not saving:
+            return
+        try:
+            if saving["pending"] is not None and failed is None:
+                saving["pending"].wait()
         except ConfigError as e:
             failed = e
-        agree(failed, d, f"saving the checkpoint of step {state.step}")
+        step_saved = saving.pop("step")
+        saving.clear()
+        agree(failed, d, f"saving the checkpoint of step {step_saved}")
+
+    def save() -> None:
+        finish_save()
+        state.data = batches.state_dict()
+        state.extra["spike_detector"] = spikes.state_dict()
+        saving.update(step=state.step, pending=None)
+        try:  # with async_checkpoint the files are written while the next steps run
+            saving["pending"] = start_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last,
+                                                 d, background=cfg.async_checkpoint)
+        except ConfigError as e:
+            return finish_save(e)
+        if not cfg.async_checkpoint:
+            finish_save()
 
     def collects(n: int) -> bool:  # a diagnostics step, decided alike on every rank (diag runs on rank 0)
         return cfg.diagnostics.enabled and (n == 1 or n % cfg.diagnostics.every == 0)
@@ -248,6 +267,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
             clip_gradients(model, cfg.optim.grad_clip)
         earlier = diag.last
         diag.pop_metrics()  # a collected step's own statistics become diag.last; a later step's are not its past
+        finish_save()  # the report names the newest published checkpoint
         report = divergence_report(
             step=rec.step, loss=rec.loss, grad_norm=rec.grad_norm, model=model,
             batches=rec.grads.micro_batches, loss_fn=loss_of, recent_losses=spikes.state_dict()["loss"],
@@ -324,6 +344,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
             if save_now:
                 save()
             if stop_now:
+                finish_save()
                 result.interrupted = stop.signal is not None
                 if out_of_time and state.step % cfg.eval_interval:  # report the loss of the model we stop with
                     run_eval()
@@ -331,6 +352,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
                 log.message(f"stopped at step {state.step}{why}"
                             + f"; checkpoint saved in {run_dir / 'checkpoints'}")
                 break
+        finish_save()  # every way out of the loop publishes the save in flight first
     if result.val_loss is None and not result.diverged and state.step >= cfg.max_steps:
         # resumed a finished run: nothing to train, but report where it ended
         result.val_loss, _ = evaluate(model, val_tokens, cfg, device, d)

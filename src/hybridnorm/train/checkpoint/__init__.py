@@ -8,7 +8,8 @@ The package, lowest first (each module imports only those above it in this list,
 - :mod:`.shards`     FSDP pieces: which slice of each tensor a rank holds, keyed ``name@offset``
 - :mod:`.load`       loading either layout into either kind of run (``TrainState``, weights, optimizer, RNG)
 - :mod:`.retention`  keep-last-k, corrupt checkpoints set aside (never deleted), the checkpoint to resume
-- :mod:`.save`       writing a checkpoint atomically, every rank its own shards, and the listing helpers
+- :mod:`.save`       writing a checkpoint atomically, every rank its own shards, in the foreground or (the
+                     files) in a background thread, published only when complete
 - :mod:`.lock`       the run folder's lock (one training process group per folder)
 
 The format is our own and not torch.distributed.checkpoint's: docs/architecture.md says why.
@@ -24,8 +25,15 @@ from hybridnorm.train.checkpoint.format import (
 from hybridnorm.train.checkpoint.load import TrainState, load_checkpoint, load_weights
 from hybridnorm.train.checkpoint.lock import LOCK_NAME, claim_run_dir
 from hybridnorm.train.checkpoint.retention import ResumePoint, checkpoint_for_resume, prune_checkpoints
-from hybridnorm.train.checkpoint.save import CheckpointSaveError, latest_checkpoint, save_checkpoint
+from hybridnorm.train.checkpoint.save import (
+    CheckpointSaveError,
+    PendingSave,
+    latest_checkpoint,
+    save_checkpoint,
+    start_checkpoint,
+)
 
-__all__ = ["FILES", "LOCK_NAME", "CheckpointError", "CheckpointSaveError", "ResumePoint", "TrainState",
-           "check_checkpoint", "checkpoint_for_resume", "claim_run_dir", "latest_checkpoint", "list_checkpoints",
-           "load_checkpoint", "load_weights", "prune_checkpoints", "save_checkpoint", "verify_checkpoint"]
+__all__ = ["FILES", "LOCK_NAME", "CheckpointError", "CheckpointSaveError", "PendingSave", "ResumePoint",
+           "TrainState", "check_checkpoint", "checkpoint_for_resume", "claim_run_dir", "latest_checkpoint",
+           "list_checkpoints", "load_checkpoint", "load_weights", "prune_checkpoints", "save_checkpoint",
+           "start_checkpoint", "verify_checkpoint"]

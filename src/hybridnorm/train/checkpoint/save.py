@@ -30,7 +30,10 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +57,7 @@ from hybridnorm.train.checkpoint.retention import prune_checkpoints
 from hybridnorm.train.checkpoint.shards import is_sharded, local_pieces
 from hybridnorm.train.distributed import Dist, all_reduce_max, current_dist
 
-__all__ = ["CheckpointSaveError", "latest_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointSaveError", "PendingSave", "latest_checkpoint", "save_checkpoint", "start_checkpoint"]
 
 
 class CheckpointSaveError(ConfigError):
@@ -146,12 +149,10 @@ class _Save:
             self.where = self.tmp / name
             _fsync(self.where)
 
-    def seal(self, state: TrainState, body: dict[str, Any], data_files: tuple[str, ...] | list[str]) -> None:
+    def seal(self, state: TrainState, rng: dict[str, torch.Tensor], body: dict[str, Any],
+             data_files: tuple[str, ...] | list[str]) -> None:
         """rng + state.json (``body`` adds to it), then the manifest over ``data_files`` and those two, then
         rename into place. ``data_files`` were written and fsynced before."""
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         self.tensors("rng.safetensors", rng)
         self.where = self.tmp / "state.json"
         _write_json(self.where, {"step": state.step, "tokens": state.tokens, "data": state.data,
@@ -172,16 +173,11 @@ class _Save:
                                    f"and the earlier checkpoints in {self.root} are kept")
 
 
-def _save_whole(save: _Save, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
-    try:
-        save.begin()
-        save.tensors("model.safetensors", _whole(model.state_dict()))
-        opt_tensors, opt_meta = _optimizer_tensors(optimizer, model)
-        save.tensors("optimizer.safetensors", _whole(opt_tensors))
-        save.fsync(FILES[:2])
-        save.seal(state, {"optimizer": opt_meta}, FILES[:2])
-    except (OSError, SafetensorError) as e:
-        raise save.error(e) from None
+def _rng_state() -> dict[str, torch.Tensor]:
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return rng
 
 
 def _agree(failed: BaseException | None, save: _Save, d: Dist) -> None:
@@ -191,61 +187,126 @@ def _agree(failed: BaseException | None, save: _Save, d: Dist) -> None:
         raise save.error(failed) from None  # failed is None: this rank wrote its part, another did not
 
 
-def _save_sharded(save: _Save, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
-                  d: Dist) -> None:
-    """Every rank writes its pieces into rank 0's temporary folder; rank 0 then seals it over all of them."""
+class PendingSave:
+    """A checkpoint whose files this rank writes, in a background thread when ``background`` (the training
+    steps go on meanwhile) or at once. :meth:`wait` joins the writer and then seals the checkpoint (rng,
+    state.json, manifest, rename into place: every rank together under FSDP) and prunes: nothing is
+    published before. A process killed in between leaves only the temporary folder the next save clears."""
+
+    def __init__(self, save: _Save, write: Callable[[], None], seal: Callable[[], None], sharded: bool,
+                 d: Dist, keep_last: int, background: bool) -> None:
+        self.save, self._seal, self.sharded, self.d, self.keep_last = save, seal, sharded, d, keep_last
+        self._failed: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+        def run() -> None:
+            try:
+                write()
+            except Exception as e:  # reported (and agreed on) in wait()
+                self._failed = e
+
+        if background:
+            self._thread = threading.Thread(target=run, name=f"checkpoint {save.final.name}", daemon=True)
+            self._thread.start()
+        else:
+            run()
+
+    def wait(self) -> Path:
+        """The published checkpoint; raises :class:`CheckpointSaveError` (on every rank under FSDP) if
+        writing or sealing failed anywhere, leaving the earlier checkpoints as they were."""
+        if self._thread is not None:
+            self._thread.join()
+        failed = self._failed
+        for stage in ("write", "seal"):
+            if stage == "seal" and self.d.is_main:
+                try:
+                    self._seal()
+                except (OSError, SafetensorError) as e:
+                    failed = e
+            if self.sharded:
+                _agree(failed, self.save, self.d)
+            elif failed is not None:
+                raise self.save.error(failed) from None
+        if self.d.is_main:
+            for moved in prune_checkpoints(self.save.root, self.keep_last, self.save.final):
+                warnings.warn(f"set aside corrupt checkpoint {moved.checkpoint} -> {moved.moved_to}: {moved.reason}",
+                              stacklevel=2)
+        return self.save.final
+
+
+def _owned(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
+    """``tensors`` (already on the CPU) as this save's own copies when ``copy``: a background writer must not
+    read weights that the next optimizer steps change in place (a GPU tensor's ``.cpu()`` is a copy already)."""
+    return {k: v.clone() for k, v in tensors.items()} if copy else tensors
+
+
+def start_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     state: TrainState, keep_last: int = 3, d: Dist | None = None,
+                     background: bool = False) -> PendingSave | None:
+    """Begin writing ``ckpt_root/step_<step>``: what it holds is fixed now (weights, optimizer state, rng,
+    ``state``), the files are written at once or, with ``background``, while training goes on; call
+    :meth:`PendingSave.wait` (on every rank, at the same point) to publish it.
+
+    In a run of several processes (``d``) call it on every rank: a sharded (FSDP) model is saved by all of
+    them together; a whole one by rank 0 alone (the others get None)."""
+    d = d or current_dist()
+    root, sharded = Path(ckpt_root), is_sharded(model)
+    if not sharded and not d.is_main:
+        return None
+    copy = background and next(iter(model.parameters())).device.type == "cpu"
+    state = replace(state, data=json.loads(json.dumps(state.data)), extra=json.loads(json.dumps(state.extra)))
+    # one temporary name every rank can compute (the run folder is locked: no other save of this step runs)
+    save = _Save(root, state.step, f".tmp_step_{state.step:06d}_" + ("sharded" if sharded else str(os.getpid())))
     failed: BaseException | None = None
     if d.is_main:
         try:
             save.begin()
         except OSError as e:
             failed = e
-    _agree(failed, save, d)  # also: the folder exists before anyone writes into it
+    if sharded:
+        _agree(failed, save, d)  # also: the folder exists before anyone writes into it
+    elif failed is not None:
+        raise save.error(failed) from None
+    rng = _rng_state()
     weights = model.state_dict()
     opt_tensors, opt_meta = _optimizer_tensors(optimizer, model)
-    pieces = local_pieces(weights, d.rank)
-    try:
-        if pieces or d.is_main:  # under HSDP a replica whose shards another group writes has nothing to add
-            names = [shard_file(k, d.rank) for k in KINDS]
-            save.tensors(names[0], pieces)
-            save.tensors(names[1], local_pieces(opt_tensors, d.rank))
-            save.fsync(names)
-    except (OSError, SafetensorError) as e:
-        failed = e
-    _agree(failed, save, d)
-    if d.is_main:
-        try:
+    if sharded:
+        names = [shard_file(k, d.rank) for k in KINDS]
+        pieces = _owned(local_pieces(weights, d.rank), copy)
+        opt_pieces = _owned(local_pieces(opt_tensors, d.rank), copy)
+        shapes = {k: list(v.shape) for k, v in weights.items()}
+
+        def write() -> None:
+            if pieces or d.is_main:  # under HSDP a replica whose shards another group writes has nothing to add
+                save.tensors(names[0], pieces)
+                save.tensors(names[1], opt_pieces)
+                save.fsync(names)
+
+        def seal() -> None:
             ranks = shard_ranks(p.name for p in save.tmp.iterdir())
-            shards = {"ranks": ranks, "model": {k: list(v.shape) for k, v in weights.items()}}
-            save.seal(state, {"optimizer": opt_meta, "shards": shards},
+            save.seal(state, rng, {"optimizer": opt_meta, "shards": {"ranks": ranks, "model": shapes}},
                       [shard_file(k, r) for r in ranks for k in KINDS])
-        except (OSError, SafetensorError) as e:
-            failed = e
-    _agree(failed, save, d)
+    else:
+        whole = {"model.safetensors": _owned(_whole(weights), copy),
+                 "optimizer.safetensors": _owned(_whole(opt_tensors), copy)}
+
+        def write() -> None:
+            for name, tensors in whole.items():
+                save.tensors(name, tensors)
+            save.fsync(FILES[:2])
+
+        def seal() -> None:
+            save.seal(state, rng, {"optimizer": opt_meta}, FILES[:2])
+
+    return PendingSave(save, write, seal, sharded, d, keep_last, background)
 
 
 def save_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     state: TrainState, keep_last: int = 3, d: Dist | None = None) -> Path | None:
-    """Write ``ckpt_root/step_<step>`` atomically, then prune to the newest ``keep_last`` good checkpoints.
-
-    In a run of several processes (``d``) call it on every rank: a sharded (FSDP) model is saved by all of
-    them together; a whole one by rank 0 alone (the others return None at once)."""
-    d = d or current_dist()
-    root = Path(ckpt_root)
-    if is_sharded(model):
-        # one name every rank can compute (the run folder is locked: no other save of this step runs)
-        save = _Save(root, state.step, f".tmp_step_{state.step:06d}_sharded")
-        _save_sharded(save, model, optimizer, state, d)
-    elif d.is_main:
-        save = _Save(root, state.step, f".tmp_step_{state.step:06d}_{os.getpid()}")
-        _save_whole(save, model, optimizer, state)
-    else:
-        return None
-    if d.is_main:
-        for moved in prune_checkpoints(root, keep_last, save.final):
-            warnings.warn(f"set aside corrupt checkpoint {moved.checkpoint} -> {moved.moved_to}: {moved.reason}",
-                          stacklevel=2)
-    return save.final
+    """Write ``ckpt_root/step_<step>`` atomically, then prune to the newest ``keep_last`` good checkpoints
+    (:func:`start_checkpoint` and its ``wait``, in the foreground)."""
+    pending = start_checkpoint(ckpt_root, model, optimizer, state, keep_last, d)
+    return pending.wait() if pending is not None else None
 
 
 def _publish(tmp: Path, final: Path) -> None:
