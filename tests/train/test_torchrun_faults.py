@@ -50,9 +50,11 @@ def _weights(run_dir) -> dict[str, torch.Tensor]:
     return load_run(run_dir).model.state_dict()
 
 
-def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(kjv_cache, tmp_path):
+@pytest.mark.parametrize("extra", [pytest.param((), id="sync"),  # async: a background save is in flight too
+                                   pytest.param(("--ckpt_interval=10", "--async_checkpoint=true"), id="async")])
+def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(extra, kjv_cache, tmp_path):
     out, ref, log = tmp_path / "R", tmp_path / "ref", tmp_path / "log"
-    args = [*TINY, "--max-steps", "60", "--out", str(out)]
+    args = [*TINY, *extra, "--max-steps", "60", "--out", str(out)]
     # each worker is wrapped in a shell that records its exit status; the shell's own no-op trap lets it
     # outlive the signal torchrun sends to the whole worker process group
     inner = " ".join(f"'{a}'" for a in [sys.executable, "-m", "hybridnorm.cli", *args])
@@ -70,7 +72,8 @@ def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(k
     assert f"stopped at step {stopped} (signal)" in log.read_text()
     check_checkpoint(ckpt)  # every file against its manifest and schema
 
-    resumed = run(torchrun(*TINY, "--max-steps", "60", "--out", str(out), "--resume"), kjv_cache)
+    assert not list((out / "checkpoints").glob(".tmp_*"))  # every save published or never begun
+    resumed = run(torchrun(*TINY, *extra, "--max-steps", "60", "--out", str(out), "--resume"), kjv_cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     whole = run(torchrun(*TINY, "--max-steps", "60", "--out", str(ref)), kjv_cache)
     assert whole.returncode == 0, whole.stderr[-3000:]
