@@ -33,6 +33,10 @@ def test_no_split_is_refused_naming_the_process_counts_that_work():
     with pytest.raises(ConfigError, match=r"global batch 12 .* over 5 processes; it can over 1, 2, 3, 4, 6, 12 "
                                           r"processes .*--global_batch that is a multiple of 5"):
         split_global_batch(12, 5, 4, 1, "the checkpoint being resumed")
+    with pytest.raises(ConfigError, match=r"it can over 1, 13 processes"):  # all of them, nothing elided
+        split_global_batch(13, 2, 4, 1, "test")
+    with pytest.raises(ConfigError, match=r"it can over 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, \.\.\. processes"):
+        split_global_batch(5040, 11, 4, 1, "test")  # 60 process counts work: the first twelve, then "..."
 
 
 def test_resume_keeps_the_checkpoints_global_batch_and_refuses_another():

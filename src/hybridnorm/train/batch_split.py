@@ -40,9 +40,10 @@ def split_global_batch(global_batch: int, world_size: int, batch_size: int, grad
     per-process share (never a larger micro-batch than asked: that is what memory was planned for).
     ``why`` says where the global batch comes from, for the error when no split exists."""
     if global_batch % world_size:
-        works = ", ".join(map(str, _divisors(global_batch)))
+        counts = _divisors(global_batch, limit=global_batch)
+        works = ", ".join(map(str, counts[:12])) + (", ..." if len(counts) > 12 else "")
         raise ConfigError(f"{why}: global batch {global_batch} sequences cannot be split evenly over "
-                          f"{world_size} processes; it can over {works}{'...' if global_batch > 12 else ''} "
+                          f"{world_size} processes; it can over {works} "
                           f"processes (torchrun --nproc_per_node), or start a new run with a --global_batch "
                           f"that is a multiple of {world_size}")
     share = global_batch // world_size
