@@ -91,9 +91,11 @@ def test_a_global_batch_no_process_count_can_share_is_refused_naming_the_counts(
     assert not any("hybridnorm" in f for f in frames), proc.stderr[-3000:]  # torchrun's own traceback only
 
 
-def test_fsdp_async_checkpoints_are_the_synchronous_ones(kjv_cache, tmp_path):
-    """Under FSDP with ``--async_checkpoint=true`` each rank writes its shards in the background while the
-    steps go on; every checkpoint is byte-identical to the synchronous run's and resumes in one process."""
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_async_checkpoints_are_the_synchronous_ones(parallel, kjv_cache, tmp_path):
+    """With ``--async_checkpoint=true`` each FSDP rank writes its shards in the background (DDP: rank 0 the
+    whole checkpoint) while the steps go on; every checkpoint is byte-identical to the synchronous run's and
+    resumes in one process."""
     from checkpoint_helpers import snapshot
 
     from hybridnorm.train.checkpoint import list_checkpoints, verify_checkpoint
@@ -101,8 +103,8 @@ def test_fsdp_async_checkpoints_are_the_synchronous_ones(kjv_cache, tmp_path):
     folders = {}
     for mode in ("false", "true"):
         out = tmp_path / mode
-        done = run(torchrun("train", "--size", "tiny", "--parallel=fsdp", "--max-steps", "10", "--ckpt_interval=5",
-                            f"--async_checkpoint={mode}", "--out", str(out)), kjv_cache)
+        done = run(torchrun("train", "--size", "tiny", f"--parallel={parallel}", "--max-steps", "10",
+                            "--ckpt_interval=5", f"--async_checkpoint={mode}", "--out", str(out)), kjv_cache)
         assert done.returncode == 0, done.stderr[-3000:]
         folders[mode] = out
     names = [p.name for p in list_checkpoints(folders["true"] / "checkpoints")]
