@@ -266,7 +266,8 @@ def claim_table(results: Path) -> str:
             *claim_balance(a, inits), *claim_figure2(results), *claim_init(a, inits)]
     n_a = len({(c.placement, c.init, c.knob, s) for c in a for s in c.verdicts})
     n_f = {step: len(figure2.load(results / "figure2" / f"step{step}.json")) for step in FIGURE2_STEPS}
-    profiles = [f"{n} step-{step} gradient profiles of `figure2/step{step}.json`" for step, n in n_f.items() if n]
+    profiles = [f"{n} step-{step} gradient profile{'s' * (n != 1)} of `figure2/step{step}.json`"
+                for step, n in n_f.items() if n]
     head = (f"Derived by `python -m hybridnorm.experiments.claims docs/results` from {n_a} finished runs of study A "
             f"and {sum(len(c.verdicts) for c in b)} of study B"
             + (f", and {' and '.join(profiles)}" if profiles else "")
