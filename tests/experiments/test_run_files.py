@@ -73,6 +73,8 @@ def test_the_good_folder_reads(tmp_path):
     ("point.json", json.dumps({"point": POINT, "config": {"model": {"d_model": "big"}}}).encode(),
      "model.d_model='big' must be an integer"),
     ("point.json", b'{"point": 1, "point": 2}', "duplicate key 'point'"),
+    ("point.json", json.dumps({"point": {**POINT, "placement": ""},  # found by the property test below
+                               "config": TrainConfig().to_dict()}).encode(), "placement '' is not a preset"),
     ("point.json", b"[" * 100_000, "nested deeper than 100 levels"),
     ("metrics.jsonl", b"\x00\xff\n", "cannot read metrics file"),
     ("metrics.jsonl", b'{"kind": "train", "step": 3, "loss": "x"}\n', "line 1: train record field 'loss'"),

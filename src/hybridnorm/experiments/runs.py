@@ -19,6 +19,7 @@ from hybridnorm import plain_data
 from hybridnorm.config_base import read_file
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.verdict import Verdict, collapse_signals, judge
+from hybridnorm.placements import registry
 from hybridnorm.train.config import TrainConfig
 
 
@@ -174,6 +175,7 @@ def read_point(path: Path) -> dict[str, Any]:
                           "'knobs': {field: value}, 'seed': int}, 'config': {...}}; delete the run folder to redo it")
     try:
         TrainConfig.from_dict(config)  # the types and ranges the trainer checks, so no reader trips on them
+        registry.get(point["placement"])  # the report writes its equations
     except ConfigError as e:
         raise ConfigError(f"grid point file {path}: {e}; delete the run folder to redo it") from None
     return data
