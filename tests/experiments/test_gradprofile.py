@@ -139,3 +139,17 @@ def test_step_n_profiles_come_from_the_runs_diagnostics(corpus, cache_dir, tmp_p
     # 2 blocks: the whole-depth row only (nothing is left past the first two blocks)
     assert len(rows) == 1 and "hybridnorm's step-100 gradient norms are more balanced across depth than" in rows[0]
     assert "(1 seed)" in rows[0], rows
+
+
+@pytest.mark.parametrize("config, says", [("model: [\n", "not valid yaml"),
+                                          ("model: 5\n", "model=5 must be a section")])
+def test_from_runs_names_a_bad_run_config_and_writes_nothing(config, says, tmp_path, capsys):
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"kind": "diag", "step": 3, "grad_norm/blocks.0": 1.0}\n')
+    (run / "config.yaml").write_text(config)
+    out = tmp_path / "step3.json"
+    assert figure2.main(["--from-runs", str(tmp_path / "runs"), "--step", "3", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(run / "config.yaml") in err and says in err and err.count("\n") == 1
+    assert not out.exists()
