@@ -8,10 +8,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from train_helpers import tiny_overrides, write_corpus
 
 from hybridnorm.data import prepare_data
 from hybridnorm.train.config import TrainConfig, apply_overrides
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.cuda`` tests skip cleanly on a machine without a GPU (CI has none)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -60,6 +60,10 @@ def test_compile_flag_compiles_each_block_structure_once_for_the_run(make_cfg, t
     # nothing recompiled in 6 steps and 2 evals
     assert counter.frame_count == 2
     assert dict(counters["graph_break"]) == {}
+    # and the run's own metrics say so at every logged step (what a user reads to spot a recompile)
+    logged = [(r["compile/frames"], r["compile/graphs"], r["compile/graph_breaks"])
+              for r in read_metrics(tmp_path / "compiled") if "loss" in r]
+    assert logged == [(2, 2, 0)] * 6
     # the graphs compute op for op what eager mode does: the same run, bit for bit
     trainer.train(make_cfg(tmp_path / "plain", *common))
     _same_runs(tmp_path / "plain", tmp_path / "compiled", 6)

@@ -43,3 +43,13 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
     for block in model.blocks:
         block.compile(**compile_kwargs)
     return model
+
+
+def compile_counts() -> dict[str, int]:
+    """This process's ``torch.compile`` totals so far: frames compiled (one per block structure, plus one
+    per recompile), graphs, and graph breaks. The trainer logs them with each metrics line, so a recompile
+    every step or a graph break shows in ``metrics.jsonl`` instead of only as a slow step."""
+    from torch._dynamo.utils import counters
+
+    return {"compile/frames": int(counters["frames"]["ok"]), "compile/graphs": int(counters["stats"]["unique_graphs"]),
+            "compile/graph_breaks": int(sum(counters["graph_break"].values()))}

@@ -35,7 +35,7 @@ from hybridnorm.data import PreparedData, TokenBatches, prepare_data
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
+from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_counts
 from hybridnorm.train.batch_split import per_step_state, resolve_split
 from hybridnorm.train.checkpoint import (
     ResumePoint,
@@ -327,6 +327,10 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
                 tick, last_step = now, state.step
                 metrics = {"loss": rec.loss, "grad_norm": rec.grad_norm, "lr": lr,
                            "tokens": state.tokens, "tokens_per_s": tps, "mfu": tps * fpt / peak}
+                if cfg.compile:
+                    metrics.update(compile_counts())
+                if device.type == "cuda":  # the allocator's own count: no device sync
+                    metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 if step.aux:
                     metrics.update({k: all_reduce_mean(v.detach(), d).item() for k, v in step.aux.items()})
                 log.log(state.step, metrics)
