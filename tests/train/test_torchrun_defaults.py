@@ -116,3 +116,27 @@ def test_async_checkpoints_are_the_synchronous_ones(parallel, kjv_cache, tmp_pat
     resumed = run(hybridnorm("train", "--size", "tiny", "--max-steps", "15", "--out", str(folders["true"]),
                              "--resume"), kjv_cache)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+
+
+def test_one_rank_torchrun_fsdp_shards_and_resumes_exactly(kjv_cache, tmp_path):
+    """``torchrun --nproc_per_node 1 ... --parallel=fsdp`` joins a group of one and shards over it (it once
+    ignored FSDP and saved unsharded), as a single-GPU machine runs it: a sharded checkpoint, the same
+    losses as one plain process (fp32 on the CPU: FSDP over one rank changes only the order of a few sums,
+    the gradient norm's among them: 1 fp32 ulp seen), and a stop at step 3 resumed to 6 equal to 6 straight
+    steps, bit for bit."""
+    one = ["torchrun", "--standalone", "--nproc_per_node", "1", "-m", "hybridnorm.cli"]
+    common = ("train", "--size", "tiny", "--parallel=fsdp", "--max-steps", "6", "--ckpt_interval=3",
+              "--log_interval=1", "--eval_interval=1000")
+    straight, resumed, plain = tmp_path / "straight", tmp_path / "resumed", tmp_path / "plain"
+    for cmd in ([*one, *common, "--out", str(straight)],
+                [*one, *common, "--stop_after_steps=3", "--out", str(resumed)],
+                [*one, *common, "--out", str(resumed), "--resume"],
+                hybridnorm(*common, "--out", str(plain))):
+        done = run(cmd, kjv_cache)
+        assert done.returncode == 0, done.stderr[-3000:]
+    files = sorted(p.name for p in (resumed / "checkpoints" / "step_000003").iterdir())
+    assert "model-r00000.safetensors" in files and "model.safetensors" not in files
+    losses = {r: [m["loss"] for m in read_metrics(r)] for r in (straight, resumed, plain)}
+    assert len(losses[straight]) == 6
+    assert losses[resumed] == losses[straight]
+    assert losses[straight] == pytest.approx(losses[plain], rel=1e-6, abs=0)

@@ -18,6 +18,7 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    joined: bool = False  # in a process group (torchrun), even one of a single rank
 
     @property
     def is_main(self) -> bool:
@@ -25,7 +26,7 @@ class Dist:
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.joined
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -74,21 +75,23 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
     """Join the process group when launched by torchrun (WORLD_SIZE > 1); a no-op otherwise. Every
     collective (and the joining itself) fails after ``timeout_s`` seconds of waiting for another rank."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    # torchrun with one process still joins a group of one: --parallel=fsdp then shards over it (bf16
+    # mixed-precision policy, sharded checkpoints) exactly as on N ranks, instead of silently not
+    if world <= 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         return Dist()
     if not dist.is_initialized():
         # On GPU, nccl carries the CUDA tensors (gradients, FSDP's all-gathers) and gloo the small CPU ones the
         # loop reduces (stop flags, eval sums, checkpoint save status): nccl alone refuses CPU tensors.
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), joined=True)
 
 
 def current_dist() -> Dist:
     """This process's place in the process group already joined (a single process when there is none)."""
     if not (dist.is_available() and dist.is_initialized()):
         return Dist()
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), joined=True)
 
 
 def all_reduce_mean(t: torch.Tensor, d: Dist) -> torch.Tensor:
