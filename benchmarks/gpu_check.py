@@ -139,6 +139,8 @@ def mfu(ctx: Context) -> steps.Result:
                 try:
                     r = gpu_mfu.measure(ns, placement, ac, device)
                 except torch.OutOfMemoryError:
+                    r = None  # handled below: the failed attempt's tensors are freed once the except ends
+                if r is None:
                     row["oom_at"].append(batch)
                     batch = batch - 1 if batch <= 4 else batch * 3 // 4
                     _free_memory()

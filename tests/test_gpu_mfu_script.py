@@ -36,3 +36,14 @@ def test_cpu_smoke_run_prints_a_row_per_configuration(gpu_mfu, capsys, monkeypat
                                              ("hybridnorm_star", "on")]
     assert all(r[-1] != "loss!)" and r[6].endswith("%") for r in table)
     assert gpu_mfu.peak_flops(torch.device("cpu"), False)[1] == "measured bf16 matmul"
+
+
+@pytest.mark.parametrize("loss", ["plain", "compiled"])
+def test_cpu_smoke_run_with_each_head_and_loss(gpu_mfu, capsys, monkeypatch, loss):
+    monkeypatch.setattr(gpu_mfu, "measured_peak_flops", lambda *a, **k: 1e12)
+    assert gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--batch", "2", "--steps", "1",
+                         "--warmup", "1", "--no-compile", "--placements", "pre", "--ac", "off", "--loss", loss]) == 0
+    out = capsys.readouterr().out
+    assert f"{loss} head + loss" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("pre "))
+    assert row[-1] != "loss!)" and row[6].endswith("%")

@@ -138,3 +138,23 @@ def test_cached_greedy_generation_matches_a_full_forward_per_token_on_cuda(name)
             assert out[0, seq.shape[1]].item() == nxt.item(), f"token {seq.shape[1]}"
             seq = torch.cat([seq, nxt], dim=1)
     assert seq.shape[1] > prompt.shape[1]  # at least one token compared
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_and_loss_in_several_gpu_chunks_matches_the_plain_line(dtype, monkeypatch):
+    from hybridnorm.nn import kernels
+
+    monkeypatch.setattr(kernels.loss, "CE_CHUNK_ELEMENTS_GPU", 7 * 1000)  # 7 rows a chunk, the last one short
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(45, 64, generator=g).to(dtype).cuda().requires_grad_()
+    weight = (0.5 * torch.randn(1000, 64, generator=g)).to(dtype).cuda().requires_grad_()
+    targets = torch.randint(0, 1000, (45,), generator=g).cuda()
+    targets[1::4] = -100
+    fast = kernels.linear_cross_entropy(hidden, weight, targets)
+    fast_grads = torch.autograd.grad(fast, (hidden, weight))
+    plain = hn.lm_loss(torch.nn.functional.linear(hidden, weight)[None], targets[None], fast=False)
+    plain_grads = torch.autograd.grad(plain, (hidden, weight))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # fp32 reduction order / a few bf16 roundings
+    assert _rel(fast.double().cpu(), plain.double().cpu()) <= tol
+    for a, b in zip(fast_grads, plain_grads, strict=True):
+        assert _rel(a.double().cpu(), b.double().cpu()) <= tol

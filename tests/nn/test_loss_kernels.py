@@ -100,6 +100,17 @@ def test_gradcheck_linear_cross_entropy(monkeypatch):
     assert gradcheck(lambda w: kernels.LinearCrossEntropyFn.apply(h.detach(), w, t, -100), (w,))
 
 
+def test_chunks_are_cache_sized_on_the_cpu_and_large_on_a_gpu():
+    """A 10 x 4096 micro-batch at the 550M presets' 100k vocabulary: ~20-row chunks suit a CPU's caches; on a
+    GPU each chunk costs kernel launches and a pass over the (V, d) head weight and its fp32 gradient, so
+    it takes thousands of rows per chunk (nn/kernels/loss.py)."""
+    rows, vocab = 10 * 4096, 100_352
+    cpu = kernels.loss._ce_chunks(rows, vocab, torch.device("cpu"))
+    gpu = kernels.loss._ce_chunks(rows, vocab, torch.device("cuda"))
+    assert cpu.step == 20 and len(gpu) <= 16 and gpu.step >= 2048
+    assert list(gpu)[-1] + gpu.step >= rows  # every row is in a chunk
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_linear_cross_entropy_matches_plain_twin(dtype, monkeypatch):
     monkeypatch.setattr(kernels.loss, "CE_CHUNK_ELEMENTS", 7 * 40)  # 7 rows per chunk, the last one short

@@ -11,6 +11,11 @@ from hybridnorm.nn.kernels.common import acc_dtype, needs_grad
 # -- cross-entropy: the LM loss without an fp32 log-softmax of every logit -------------------------------
 
 CE_CHUNK_ELEMENTS = 2**21  # rows per chunk x vocab: one fp32 chunk of 8 MiB stays in cache-friendly sizes
+# On a GPU a chunk must be big instead: every chunk launches its own kernels, and the fused head re-reads the
+# (V, d) weight and read-modify-writes its fp32 gradient once per chunk. 2^21 at a 100k vocabulary would be
+# 20 rows a chunk, ~2,000 chunks per micro-batch and ~2 TB of weight-gradient traffic; 2^28 (1 GiB of fp32
+# logits) is ~2,700 rows, 16 chunks for a 10 x 4096 micro-batch.
+CE_CHUNK_ELEMENTS_GPU = 2**28
 
 
 def _ce_rows(targets: Tensor, ignore_index: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -19,9 +24,11 @@ def _ce_rows(targets: Tensor, ignore_index: int, dtype: torch.dtype) -> tuple[Te
     return valid.to(dtype), torch.where(valid, targets, 0)[:, None], valid.sum().to(dtype)
 
 
-def _ce_chunks(n_rows: int, vocab: int) -> range:
-    """The first row of each chunk of ~CE_CHUNK_ELEMENTS elements of (N, V) logits; ``.step`` rows each."""
-    return range(0, n_rows, max(1, CE_CHUNK_ELEMENTS // vocab))
+def _ce_chunks(n_rows: int, vocab: int, device: torch.device) -> range:
+    """The first row of each chunk of ~CE_CHUNK_ELEMENTS elements of (N, V) logits (CE_CHUNK_ELEMENTS_GPU
+    off the CPU); ``.step`` rows each."""
+    elements = CE_CHUNK_ELEMENTS if device.type == "cpu" else CE_CHUNK_ELEMENTS_GPU
+    return range(0, n_rows, max(1, elements // vocab))
 
 
 class CrossEntropyFn(torch.autograd.Function):
@@ -47,7 +54,7 @@ class CrossEntropyFn(torch.autograd.Function):
         valid, tgt, count = _ce_rows(targets, ctx.ignore_index, acc)
         weight = valid.mul_(grad.to(acc) / count)  # (N,) d loss / d row: g / count, 0 if ignored
         out = torch.empty_like(logits)
-        chunks = _ce_chunks(*logits.shape)
+        chunks = _ce_chunks(*logits.shape, logits.device)
         for s in chunks:
             rows = slice(s, s + chunks.step)
             w = weight[rows, None]  # (n, 1)
@@ -61,7 +68,7 @@ def cross_entropy_forward(logits: Tensor, targets: Tensor, ignore_index: int) ->
     acc = acc_dtype(logits)
     valid, tgt, count = _ce_rows(targets, ignore_index, acc)
     lse = torch.empty(logits.shape[0], dtype=acc, device=logits.device)
-    chunks = _ce_chunks(*logits.shape)
+    chunks = _ce_chunks(*logits.shape, logits.device)
     for s in chunks:
         rows = slice(s, s + chunks.step)
         torch.logsumexp(logits[rows].to(acc), -1, out=lse[rows])
@@ -118,7 +125,7 @@ def linear_cross_entropy_forward(hidden: Tensor, weight: Tensor, targets: Tensor
     total = torch.zeros((), dtype=acc, device=hidden.device)
     d_hidden = torch.empty_like(hidden) if grad_hidden else None
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grad_weight else None
-    chunks = _ce_chunks(hidden.shape[0], weight.shape[0])
+    chunks = _ce_chunks(hidden.shape[0], weight.shape[0], hidden.device)
     for s in chunks:
         rows = slice(s, s + chunks.step)
         h = hidden[rows]  # (n, d)
