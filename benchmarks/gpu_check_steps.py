@@ -53,13 +53,25 @@ def _train_losses(master: hn.TransformerLM, batches: list, device: str, dtype: t
     return losses
 
 
+def _jittered(master: hn.TransformerLM, seed: int) -> hn.TransformerLM:
+    """A copy of ``master`` whose weights are each moved by up to one fp32 rounding: w·(1 + eps32·u), u in
+    [-1, 1). Training it in fp32 shows how far one rounding of every weight carries the losses."""
+    g = torch.Generator().manual_seed(seed)
+    copy = hn.TransformerLM(master.config).double()
+    eps = torch.finfo(torch.float32).eps
+    copy.load_state_dict({k: v * (1 + eps * (2 * torch.rand(v.shape, generator=g, dtype=v.dtype) - 1))
+                          for k, v in master.state_dict().items()})
+    return copy
+
+
 def numerics(ctx: Any) -> Result:
     """The tiny default-placement model trained 20 steps on identical weights and batches: fp32 on the
     device (TF32 off) against float64 on the CPU, then bf16 autocast against fp32 on the same device.
 
     fp32 bound: CPU and device fp32 are two roundings of one float64 trajectory that differ by reduction
-    order, so the device may be at most 4x as far from float64 as the CPU is (floor: 8 fp32 epsilons of
-    the loss, for a CPU that happens to land on it). bf16 bound: the device's bf16-vs-fp32 gap may be at
+    order, so the device may be at most 4x as far from float64 as fp32 on the CPU gets, measured as the
+    largest distance of the CPU run and of 3 CPU runs from weights jittered by one fp32 rounding (floor:
+    8 fp32 epsilons of the loss). bf16 bound: the device's bf16-vs-fp32 gap may be at
     most 4x the CPU's, with a floor of one bf16 epsilon (2^-8) of the loss, which is as close as a bf16
     loss can be expected to come (the CPU keeps this small-head attention in fp32 under autocast, see
     nn/kernels' sdpa_in_fp32, so its own gap can be far below that)."""
@@ -76,7 +88,9 @@ def numerics(ctx: Any) -> Result:
                 "cpu_fp32": _train_losses(master, batches, "cpu", torch.float32, False),
                 "dev_fp32": _train_losses(master, batches, dev, torch.float32, False),
                 "cpu_bf16": _train_losses(master, batches, "cpu", torch.float32, True),
-                "dev_bf16": _train_losses(master, batches, dev, torch.float32, True)}
+                "dev_bf16": _train_losses(master, batches, dev, torch.float32, True),
+                **{f"cpu_fp32_jitter{k}": _train_losses(_jittered(master, k), batches, "cpu", torch.float32, False)
+                   for k in range(3)}}
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
@@ -84,16 +98,20 @@ def numerics(ctx: Any) -> Result:
         return max(abs(x - y) for x, y in zip(runs[a], runs[b], strict=True))
 
     scale = sum(runs["cpu_fp64"]) / len(runs["cpu_fp64"])
-    fp32_bound = 4 * max(gap("cpu_fp32", "cpu_fp64"), 8 * torch.finfo(torch.float32).eps * scale)
+    # fp32's own noise: the CPU's distance from float64, and that of 3 CPU runs from weights jittered by
+    # one fp32 rounding (the spread a different reduction order could reach)
+    fp32_noise = max(gap(k, "cpu_fp64") for k in runs if k.startswith("cpu_fp32"))
+    fp32_bound = 4 * max(fp32_noise, 8 * torch.finfo(torch.float32).eps * scale)
     bf16_bound = 4 * max(gap("cpu_bf16", "cpu_fp32"), 2.0**-8 * scale)
     finite = all(math.isfinite(x) for r in runs.values() for x in r)
     learned = runs["dev_bf16"][-1] < runs["dev_bf16"][0] and runs["dev_fp32"][-1] < runs["dev_fp32"][0]
     d = {"losses": runs, "fp32": {"device_vs_fp64": gap("dev_fp32", "cpu_fp64"),
-                                  "cpu_vs_fp64": gap("cpu_fp32", "cpu_fp64"), "bound": fp32_bound},
+                                  "cpu_vs_fp64": gap("cpu_fp32", "cpu_fp64"), "cpu_noise": fp32_noise,
+                                  "bound": fp32_bound},
          "bf16": {"device_vs_fp32": gap("dev_bf16", "dev_fp32"), "cpu_vs_fp32": gap("cpu_bf16", "cpu_fp32"),
                   "bound": bf16_bound}}
     ok = finite and learned and d["fp32"]["device_vs_fp64"] <= fp32_bound and d["bf16"]["device_vs_fp32"] <= bf16_bound
-    summary = (f"fp32 max|Δloss| vs fp64 {d['fp32']['device_vs_fp64']:.2e} (CPU {d['fp32']['cpu_vs_fp64']:.2e}, "
+    summary = (f"fp32 max|Δloss| vs fp64 {d['fp32']['device_vs_fp64']:.2e} (CPU {fp32_noise:.2e}, "
                f"bound {fp32_bound:.2e}); bf16 vs fp32 {d['bf16']['device_vs_fp32']:.2e} "
                f"(CPU {d['bf16']['cpu_vs_fp32']:.2e}, bound {bf16_bound:.2e}); 20 steps"
                + ("" if learned else "; loss did not fall") + ("" if finite else "; non-finite loss"))

@@ -158,3 +158,19 @@ def test_fused_head_and_loss_in_several_gpu_chunks_matches_the_plain_line(dtype,
     assert _rel(fast.double().cpu(), plain.double().cpu()) <= tol
     for a, b in zip(fast_grads, plain_grads, strict=True):
         assert _rel(a.double().cpu(), b.double().cpu()) <= tol
+
+
+@pytest.mark.parametrize("name", ["pre", "hybridnorm_star"])
+def test_550m_attention_runs_on_the_flash_kernel(name):
+    """The 550M shapes (16 heads, 4 KV heads, head dim 96, GQA through ``enable_gqa``) in bf16 take SDPA's
+    FlashAttention backend, forward and backward: with only that backend allowed, SDPA raises instead of
+    falling back to the math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = hn.ModelConfig.from_preset("550m", placement=name, n_layers=2, vocab_size=1024)
+    model = hn.TransformerLM(cfg).cuda()
+    ids = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(ids[:, :-1], targets=ids[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
