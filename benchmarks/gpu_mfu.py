@@ -19,6 +19,7 @@ says so and exits 0 (``--device cpu --size tiny`` runs the same code on the CPU,
     python benchmarks/gpu_mfu.py                              # 550m, hybridnorm_star + pre, AC off + on
     python benchmarks/gpu_mfu.py --batch 8 --ac on            # a bigger batch fits with checkpointing
     python benchmarks/gpu_mfu.py --loss compiled               # the LM head + loss compiled instead (also: plain)
+    python benchmarks/gpu_mfu.py --size moe-1b-7b --set 'moe={num_experts: 16, top_k: 4}' --batch 2   # a MoE
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+import yaml
 
 import hybridnorm as hn
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
@@ -50,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--size", default="550m", help="ModelConfig preset")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a ModelConfig field of the preset, VALUE in YAML, e.g. --set n_layers=8 "
+                        "--set 'moe={num_experts: 16, top_k: 4}' (a MoE that fits one GPU)")
     p.add_argument("--placements", default="hybridnorm_star,pre")
     p.add_argument("--ac", choices=("off", "on", "both"), default="both", help="activation checkpointing")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (one micro-batch)")
@@ -64,6 +69,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--measured-peak", action="store_true", help="MFU against a measured bf16 matmul peak")
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
+
+
+def model_overrides(pairs: list[str]) -> dict[str, object]:
+    """``["n_layers=8", "moe={num_experts: 16}"]`` -> {"n_layers": 8, "moe": {...}}: YAML values (safe_load:
+    data only), checked by ModelConfig like any config."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        field, sep, value = pair.partition("=")
+        if not sep or not field.strip():
+            raise SystemExit(f"gpu_mfu: --set {pair!r} is not FIELD=VALUE")
+        out[field.strip()] = yaml.safe_load(value)
+    return out
 
 
 def peak_flops(device: torch.device, measured: bool) -> tuple[float, str]:
@@ -88,7 +105,8 @@ def random_batches(vocab: int, batch: int, seq: int) -> Iterator[tuple[torch.Ten
 def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.device) -> dict[str, float]:
     """Tokens/s and peak memory of the trainer's step for one configuration."""
     loss = getattr(args, "loss", "fast")
-    mcfg = hn.ModelConfig.from_preset(args.size, placement=placement, fast_kernels=loss == "fast")
+    mcfg = hn.ModelConfig.from_preset(args.size, **model_overrides(getattr(args, "set", [])), placement=placement,
+                                      fast_kernels=loss == "fast")
     cfg = TrainConfig(model=mcfg, batch_size=args.batch, seq_len=args.seq, precision="bf16",
                       optim=OptimConfig(lr=1e-4, warmup_steps=0), device=str(device), compile=not args.no_compile,
                       activation_checkpointing=ac, host_sync="log")

@@ -47,3 +47,20 @@ def test_cpu_smoke_run_with_each_head_and_loss(gpu_mfu, capsys, monkeypatch, los
     assert f"{loss} head + loss" in out
     row = next(line.split() for line in out.splitlines() if line.startswith("pre "))
     assert row[-1] != "loss!)" and row[6].endswith("%")
+
+
+def test_set_overrides_preset_fields_and_names_a_bad_one(gpu_mfu):
+    import argparse
+
+    import hybridnorm as hn
+
+    sets = ["n_layers=1", "moe={num_experts: 2, top_k: 1}"]
+    args = argparse.Namespace(size="tiny-moe", batch=2, seq=32, steps=1, warmup=1, no_compile=True, set=sets)
+    got = gpu_mfu.measure(args, "pre", False, torch.device("cpu"))
+    want = hn.ModelConfig.from_preset("tiny-moe", placement="pre", n_layers=1, moe={"num_experts": 2, "top_k": 1})
+    want = want.build("meta")
+    preset = hn.ModelConfig.from_preset("tiny-moe", placement="pre").build("meta")
+    assert got["params"] == want.num_params() != preset.num_params()
+    assert got["finite"]
+    with pytest.raises(hn.ConfigError, match="n_layer"):
+        gpu_mfu.measure(argparse.Namespace(**{**vars(args), "set": ["n_layer=1"]}), "pre", False, torch.device("cpu"))
