@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         ctx = Context(args, out, work)
-        ctx.commit = _git("rev-parse", "HEAD") or os.environ.get("HYBRIDNORM_COMMIT", "unknown")
+        # the sitting script names the code commit (the device copy may have no .git, or a later HEAD)
+        ctx.commit = os.environ.get("HYBRIDNORM_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
         ctx.dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
         ctx.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         results: dict[str, dict[str, Any]] = {}
