@@ -70,7 +70,7 @@ class TrainConfig(Config):
     host_sync: Literal["auto", "step", "log"] = "auto"  # read loss / grad norm back every step or at check
                                               # steps only (auto: log on CUDA); see hybridnorm.train.host_sync
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate (DDP) or shard (FSDP2) the model;
-                                              # a single process ignores it (train/parallel.py)
+                                              # a process not under torchrun ignores it (train/parallel.py)
     parallel_replicate: int = bounded(1, ge=1)  # fsdp: R > 1 is HSDP, R replicas x (world / R) shards
     device: str = "auto"                      # auto | cpu | cuda | cuda:N | mps
     dist_timeout: float = bounded(600.0, gt=0)  # under torchrun: seconds any collective waits for the other

@@ -1,7 +1,8 @@
 """Data parallelism across ``torchrun`` processes: DDP (every rank holds the whole model) or FSDP2
 (``fully_shard``: each rank holds 1/N of every weight, gradient and optimizer state), chosen by ``--parallel``.
 
-A single process ignores ``--parallel``. Under ``torchrun`` the trainer calls, in this order:
+A process not started by ``torchrun`` ignores ``--parallel``; under ``torchrun`` (one process too: it joins a
+group of one, train/distributed.py) the trainer calls, in this order:
 
 1. :func:`shard_model` right after building the model and BEFORE building the optimizer: ``fully_shard``
    replaces every parameter by a sharded ``DTensor`` parameter, and the optimizer must hold those.
@@ -47,7 +48,7 @@ from hybridnorm.train.distributed import Dist
 
 
 def uses_fsdp(cfg: TrainConfig, d: Dist) -> bool:
-    """FSDP is on when asked for AND there is more than one process (a single process ignores it)."""
+    """FSDP is on when asked for AND the process is in a group (torchrun, one rank or more)."""
     return d.enabled and cfg.parallel == "fsdp"
 
 
