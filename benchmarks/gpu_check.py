@@ -80,6 +80,7 @@ class Context:
         self.settings = Settings.for_device(args.device, args.size)
         self.runs: dict[tuple[str, bool], Path | None] = {}
         self.mfu_rows: list[dict[str, Any]] = []
+        self.results: dict[str, dict[str, Any]] = {}  # finished checks, in CHECKS order when written
         self.deadline = time.monotonic() + args.budget_s
 
     def sh(self, cmd: list[str], name: str, limit: float = 240) -> tuple[int, str]:
@@ -151,9 +152,12 @@ def mfu(ctx: Context) -> steps.Result:
                 break
             _free_memory()
             ctx.mfu_rows.append(row)
+            write_report(ctx)  # each row on disk at once: a command killed at its limit keeps the rows so far
     done = [r for r in ctx.mfu_rows if "mfu" in r]
-    if len(done) < 4:
-        return steps.FAIL, f"{len(done)} of 4 configurations measured", {"rows": ctx.mfu_rows}
+    if len(done) < 4:  # out of time is "not run" (--resume measures again), anything else a failure
+        late = time.monotonic() >= ctx.deadline
+        return ("not run" if late else steps.FAIL), f"{len(done)} of 4 configurations measured" + \
+            (f" before the {ctx.args.budget_s:.0f} s budget ran out" if late else ""), {"rows": ctx.mfu_rows}
     by = {(r["placement"], r["ac"]): r for r in done}
     # HybridNorm*'s tokens/s deficit against Pre-Norm's, where both ran the same micro-batch
     star, pre = ({ac: by[p, ac] for ac in (False, True)} for p in ("hybridnorm_star", "pre"))
@@ -208,7 +212,9 @@ def _git(*args: str) -> str:
         return ""
 
 
-def write_report(ctx: Context, results: dict[str, dict[str, Any]]) -> None:
+def write_report(ctx: Context) -> None:
+    order = [n for n, _ in CHECKS]
+    results = dict(sorted(ctx.results.items(), key=lambda kv: order.index(kv[0])))
     doc = {"commit": ctx.commit, "dirty": ctx.dirty, "started": ctx.started, "device": ctx.device,
            "argv": sys.argv[1:], "checks": results, "mfu": ctx.mfu_rows}
     (ctx.out / "gpu_check.json").write_text(json.dumps(doc, indent=1, default=str), encoding="utf-8")
@@ -267,12 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         ctx.commit = os.environ.get("HYBRIDNORM_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
         ctx.dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
         ctx.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        results: dict[str, dict[str, Any]] = {}
+        results = ctx.results
         old = out / "gpu_check.json"
         if args.resume and old.exists():
             prev = json.loads(old.read_text())
             if prev.get("commit") == ctx.commit:
-                results = {n: r for n, r in prev["checks"].items() if r["status"] != "not run" and n != "environment"}
+                results.update({n: r for n, r in prev["checks"].items()
+                                if r["status"] != "not run" and n != "environment"})
                 ctx.mfu_rows = prev.get("mfu", []) if "mfu" in results else []
         only = {n.strip() for n in args.only.split(",") if n.strip()}
         for name, check in CHECKS:
@@ -290,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"status": status, "seconds": time.monotonic() - t0, "summary": summary,
                              "details": details}
             print(f"[{status}] {name} ({results[name]['seconds']:.0f} s): {summary}", flush=True)
-            write_report(ctx, dict(sorted(results.items(), key=lambda kv: [n for n, _ in CHECKS].index(kv[0]))))
+            write_report(ctx)
     failed = [n for n, r in results.items() if r["status"] == steps.FAIL]
     print(f"gpu_check: {len(results) - len(failed)} of {len(results)} checks did not fail"
           + (f"; failed: {', '.join(failed)}" if failed else "") + f"; report: {out / 'gpu_check.md'}")
