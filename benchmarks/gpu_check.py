@@ -125,10 +125,10 @@ def mfu(ctx: Context) -> steps.Result:
     peak, source = gpu_mfu.peak_flops(device, False)
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
     for placement in ("hybridnorm_star", "pre"):
+        mode = plan(PlanOptions(size=s.size, gpus=1, gpu_mem=gpu_gib, seq_len=s.mfu_seq, precision="bf16",
+                                placement=placement)).modes[0] if device.type == "cuda" else None
         for ac in (False, True):
-            if device.type == "cuda":
-                mode = plan(PlanOptions(size=s.size, gpus=1, gpu_mem=gpu_gib, seq_len=s.mfu_seq, precision="bf16",
-                                        placement=placement)).modes[0]
+            if mode is not None:
                 batch = min(ctx.args.mfu_max_batch, mode.max_micro_batch_ckpt if ac else mode.max_micro_batch)
             else:
                 batch = s.batch

@@ -8,7 +8,6 @@ estimate. See gpu_check.py for the command and what it writes.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 import hybridnorm as hn
+from hybridnorm.experiments.runs import _metric_records  # the reader the reports use (checks each record)
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 Result = tuple[str, str, dict[str, Any]]
@@ -26,10 +26,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
-    """The training rows (those with a loss) of a run folder's metrics.jsonl, in order."""
+    """The training records of a run folder's metrics.jsonl, in order (none if the run wrote no file)."""
     path = run / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return [r for r in rows if "loss" in r and r.get("kind", "train") == "train"]
+    return [r for r in _metric_records(path) if r["kind"] == "train"] if path.exists() else []
 
 
 # -- numerics: CPU vs CUDA, fp32 and bf16 --------------------------------------------------------------------
@@ -181,23 +180,24 @@ def fsdp_resume(ctx: Any) -> Result:
               f"--seq_len={s.fsdp_seq}", f"--batch_size={s.batch}", "--max_steps=6", "--ckpt_interval=3",
               "--log_interval=1"]
     runs = {k: ctx.work / f"fsdp_{k}" for k in ("straight", "resumed", "repeat")}
-    rc = [ctx.sh([*TORCHRUN, "-m", "hybridnorm.cli", *common, "--out", str(runs["straight"])], "fsdp_straight")[0],
-          ctx.sh([*TORCHRUN, "-m", "hybridnorm.cli", *common, "--stop_after_steps=3", "--out", str(runs["resumed"])],
-                 "fsdp_stop")[0],
-          ctx.sh([*TORCHRUN, "-m", "hybridnorm.cli", *common, "--resume", "--out", str(runs["resumed"])],
-                 "fsdp_resume")[0]]
+
+    def torchrun(run: str, name: str, *extra: str) -> int:
+        return ctx.sh([*TORCHRUN, "-m", "hybridnorm.cli", *common, *extra, "--out", str(runs[run])], name)[0]
+
+    rc = [torchrun("straight", "fsdp_straight"), torchrun("resumed", "fsdp_stop", "--stop_after_steps=3"),
+          torchrun("resumed", "fsdp_resume", "--resume")]
     ckpt = runs["resumed"] / "checkpoints" / "step_000003"
     sharded = sorted(p.name for p in ckpt.glob("*-r*.safetensors")) if ckpt.is_dir() else []
-    a = [r["loss"] for r in read_metrics(runs["straight"])]
-    b = [r["loss"] for r in read_metrics(runs["resumed"])]
+    resumed = read_metrics(runs["resumed"])
+    a, b = [r["loss"] for r in read_metrics(runs["straight"])], [r["loss"] for r in resumed]
     d: dict[str, Any] = {"rc": rc, "sharded_files": sharded, "straight": a, "resumed": b}
-    if any(rc) or len(a) != 6 or [r["step"] for r in read_metrics(runs["resumed"])] != list(range(1, 7)):
+    if any(rc) or len(a) != 6 or [r["step"] for r in resumed] != list(range(1, 7)):
         return FAIL, f"exits {rc}; {len(a)} straight and {len(b)} resumed steps logged", d
     if not sharded:
         return FAIL, f"no sharded files (*-rNNNNN.safetensors) in {ckpt}", d
     if a == b:
         return PASS, f"resumed steps 4-6 equal the straight run bitwise; sharded save: {', '.join(sharded)}", d
-    rc.append(ctx.sh([*TORCHRUN, "-m", "hybridnorm.cli", *common, "--out", str(runs["repeat"])], "fsdp_repeat")[0])
+    rc.append(torchrun("repeat", "fsdp_repeat"))
     c = [r["loss"] for r in read_metrics(runs["repeat"])]
     d.update(repeat=c, resume_gap=max(abs(x - y) for x, y in zip(a, b, strict=False)),
              noise=max((abs(x - y) for x, y in zip(a, c, strict=False)), default=float("nan")))

@@ -72,8 +72,9 @@ def collective_error(e: BaseException, d: Dist, timeout_s: float) -> CollectiveE
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1); a no-op otherwise. Every
-    collective (and the joining itself) fails after ``timeout_s`` seconds of waiting for another rank."""
+    """Join the process group when launched by torchrun (with any number of processes, one included); a no-op
+    otherwise. Every collective (and the joining itself) fails after ``timeout_s`` seconds of waiting for
+    another rank."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # torchrun with one process still joins a group of one: --parallel=fsdp then shards over it (bf16
     # mixed-precision policy, sharded checkpoints) exactly as on N ranks, instead of silently not
