@@ -20,13 +20,26 @@ says so and exits 0 (``--device cpu --size tiny`` runs the same code on the CPU,
     python benchmarks/gpu_mfu.py --batch 8 --ac on            # a bigger batch fits with checkpointing
     python benchmarks/gpu_mfu.py --loss compiled               # the LM head + loss compiled instead (also: plain)
     python benchmarks/gpu_mfu.py --size moe-1b-7b --set 'moe={num_experts: 16, top_k: 4}' --batch 2   # a MoE
+    python benchmarks/gpu_mfu.py --batch 6,8,10 --loss fast,compiled --json OUT/rows.json   # a grid, rows kept
+    python benchmarks/gpu_mfu.py --ac off --profile OUT/prof   # + where the time goes (step_profile.py)
+
+``--batch`` and ``--loss`` take comma lists and every combination is measured; ``--json`` rewrites the rows
+measured so far after each one, so a command killed at its time limit keeps them. ``--profile DIR`` runs
+``--profile-steps`` more steps of each configuration under torch.profiler and writes DIR/profile.md (time per
+step by category: matmul, attention, norms, LM head and loss, optimizer, compiled, copies, eager rest; the
+busiest kernels; the GPU's idle share) and DIR/profile.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -57,18 +70,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--set 'moe={num_experts: 16, top_k: 4}' (a MoE that fits one GPU)")
     p.add_argument("--placements", default="hybridnorm_star,pre")
     p.add_argument("--ac", choices=("off", "on", "both"), default="both", help="activation checkpointing")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step (one micro-batch)")
+    p.add_argument("--batch", type=_int_list, default=[4],
+                   help="sequences per step (one micro-batch); a comma list measures each, e.g. 4,6,8")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one compiles)")
     p.add_argument("--no-compile", action="store_true", help="eager blocks (for comparison)")
-    p.add_argument("--loss", choices=LOSSES, default="fast",
+    p.add_argument("--loss", type=_choice_list(LOSSES), default=["fast"],
                    help="LM head + loss: fast = F.linear then the chunked cross-entropy kernel (the trainer's); "
                         "plain = F.cross_entropy on an fp32 copy (fast_kernels=false); compiled = the plain line "
-                        "under torch.compile (measured here only: not a trainer option yet)")
+                        "under torch.compile (measured here only: not a trainer option yet); a comma list "
+                        "measures each")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="after timing each configuration, torch.profiler --profile-steps more steps and write "
+                        "where they go (step_profile.py: by category, busiest kernels, idle share) to "
+                        "DIR/profile.md and DIR/profile.json")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--json", type=Path, metavar="PATH",
+                   help="write the rows measured so far to PATH after each configuration (a sitting cut short "
+                        "keeps them)")
     p.add_argument("--measured-peak", action="store_true", help="MFU against a measured bf16 matmul peak")
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more positive integers")
+    return values
+
+
+def _choice_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: each must be one of {', '.join(choices)}")
+        return values
+    return parse
 
 
 def model_overrides(pairs: list[str]) -> dict[str, object]:
@@ -102,8 +145,10 @@ def random_batches(vocab: int, batch: int, seq: int) -> Iterator[tuple[torch.Ten
         yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.device) -> dict[str, float]:
-    """Tokens/s and peak memory of the trainer's step for one configuration."""
+def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.device,
+            profile: int = 0) -> dict[str, Any]:
+    """Tokens/s and peak memory of the trainer's step for one configuration (``args.batch``: one int,
+    ``args.loss``: one name); with ``profile`` > 0, that many more steps under torch.profiler as "profile"."""
     loss = getattr(args, "loss", "fast")
     mcfg = hn.ModelConfig.from_preset(args.size, **model_overrides(getattr(args, "set", [])), placement=placement,
                                       fast_kernels=loss == "fast")
@@ -144,10 +189,19 @@ def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.de
     sync()
     seconds = time.perf_counter() - t0
     finite = all(r.finite for r in pending.read())  # the check step: one read for all timed steps
-    return {"tokens_per_s": args.steps * args.batch * args.seq / seconds, "step_s": seconds / args.steps,
-            "flops_per_token": flops_per_token(model, args.seq), "warmup_s": warmup_s, "finite": finite,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
-            "params": model.num_params()}
+    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    prof: Any = None
+    if profile > 0:  # after the timing and its read-back, so neither disturbs the other
+        from step_profile import profile_steps  # beside this script
+
+        try:
+            prof = profile_steps(step, profile, device, first=args.warmup + args.steps)
+        except RuntimeError as e:  # a profiler that cannot start here (no CUPTI, say) costs the profile only
+            prof = f"profiler failed: {e}"
+        finite = finite and all(r.finite for r in pending.read())
+    return {"profile": prof, "tokens_per_s": args.steps * args.batch * args.seq / seconds,
+            "step_s": seconds / args.steps, "flops_per_token": flops_per_token(model, args.seq),
+            "warmup_s": warmup_s, "finite": finite, "peak_gib": peak_gib, "params": model.num_params()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,28 +216,78 @@ def main(argv: list[str] | None = None) -> int:
     peak, source = peak_flops(device, args.measured_peak)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {where}; peak {peak / 1e12:.1f} TFLOP/s ({source}); {args.size}, "
-          f"batch {args.batch} x seq {args.seq}, bf16 autocast, {'eager' if args.no_compile else 'compiled blocks'}, "
-          f"{args.loss} head + loss")
-    print(f"{'placement':<17}{'AC':>4}{'params':>9}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}"
-          f"{'peak GiB':>10}{'warmup s':>10}")
+          f"seq {args.seq}, bf16 autocast, {'eager' if args.no_compile else 'compiled blocks'}")
+    print(f"{'placement':<17}{'AC':>4}{'batch':>6}{'loss':>9}{'params':>9}{'step s':>9}{'tokens/s':>11}"
+          f"{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}{'warmup s':>10}")
+    rows: list[dict[str, Any]] = []
+    profiles: list[str] = []
     for placement in (p.strip() for p in args.placements.split(",") if p.strip()):
         for ac in {"off": (False,), "on": (True,), "both": (False, True)}[args.ac]:
-            label = f"{placement:<17}{'on' if ac else 'off':>4}"
-            try:
-                r = measure(args, placement, ac, device)
-            except torch.OutOfMemoryError:
-                print(f"{label}  out of memory at batch {args.batch}")
-                r = None
-            if r is not None:
-                achieved = r["tokens_per_s"] * r["flops_per_token"]
-                print(f"{label}{r['params'] / 1e6:>8.0f}M{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}"
-                      f"{achieved / 1e12:>9.1f}{achieved / peak:>7.1%}{r['peak_gib']:>10.1f}{r['warmup_s']:>10.1f}"
-                      + ("" if r["finite"] else "  (non-finite loss!)"))
-            torch._dynamo.reset()  # the next model's blocks compile afresh; free this one's memory
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            for loss in args.loss:
+                for batch in args.batch:
+                    config = argparse.Namespace(**{**vars(args), "batch": batch, "loss": loss})
+                    label = f"{placement:<17}{'on' if ac else 'off':>4}{batch:>6}{loss:>9}"
+                    row: dict[str, Any] = {"placement": placement, "ac": ac, "batch": batch, "loss": loss,
+                                           "seq": args.seq, "size": args.size, "set": args.set,
+                                           "peak_flops": peak, "peak_source": source, "device": where,
+                                           "torch": torch.__version__,
+                                           "commit": os.environ.get("HYBRIDNORM_COMMIT") or _git_head()}
+                    try:
+                        r = measure(config, placement, ac, device, args.profile_steps if args.profile else 0)
+                    except torch.OutOfMemoryError:
+                        print(f"{label}  out of memory")
+                        r = None
+                        row["oom"] = True
+                    if r is not None:
+                        achieved = r["tokens_per_s"] * r["flops_per_token"]
+                        prof = r.pop("profile")
+                        row.update(r, tflops=achieved / 1e12, mfu=achieved / peak)
+                        print(f"{label}{r['params'] / 1e6:>8.0f}M{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}"
+                              f"{achieved / 1e12:>9.1f}{achieved / peak:>7.1%}{r['peak_gib']:>10.1f}"
+                              f"{r['warmup_s']:>10.1f}" + ("" if r["finite"] else "  (non-finite loss!)"))
+                        if isinstance(prof, str):
+                            row["profile"] = prof
+                            print(f"{label}  {prof}")
+                        elif prof is not None:
+                            row["profile"] = prof.as_dict()
+                            profiles.append(profile_markdown(prof, args, placement, ac, batch, loss, r))
+                    rows.append(row)
+                    write_outputs(args, rows, profiles)
+                    torch._dynamo.reset()  # the next model's blocks compile afresh; free this one's memory
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     print("MFU: model FLOPs (6·N_matmul + 6·L·d·T per token) per second over the peak; goal >= 50% on one H100.")
     return 0
+
+
+def profile_markdown(prof: Any, args: argparse.Namespace, placement: str, ac: bool, batch: int, loss: str,
+                     r: dict[str, Any]) -> str:
+    from step_profile import to_markdown  # beside this script
+
+    return to_markdown(prof, f"{args.size} {placement}, AC {'on' if ac else 'off'}, batch {batch} x {args.seq}, "
+                             f"{loss} head + loss: {r['tokens_per_s']:,.0f} tokens/s unprofiled")
+
+
+def _git_head() -> str | None:
+    """The checkout's commit, for the rows (None outside a git checkout)."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def write_outputs(args: argparse.Namespace, rows: list[dict[str, Any]], profiles: list[str]) -> None:
+    """The rows so far as JSON (``--json``) and the profiles so far (``--profile``), rewritten whole."""
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    if args.profile is not None and profiles:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        (args.profile / "profile.md").write_text("\n".join(profiles))
+        (args.profile / "profile.json").write_text(
+            json.dumps([r for r in rows if "profile" in r], indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

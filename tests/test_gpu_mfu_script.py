@@ -4,6 +4,7 @@ code path runs end to end on a tiny model and prints its table (eager blocks: no
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def test_cpu_smoke_run_prints_a_row_per_configuration(gpu_mfu, capsys, monkeypat
     table = [r for r in rows if r and r[0] in ("pre", "hybridnorm_star")]
     assert [(r[0], r[1]) for r in table] == [("pre", "off"), ("pre", "on"), ("hybridnorm_star", "off"),
                                              ("hybridnorm_star", "on")]
-    assert all(r[-1] != "loss!)" and r[6].endswith("%") for r in table)
+    assert all(r[2] == "2" and r[3] == "fast" and r[-1] != "loss!)" and r[8].endswith("%") for r in table)
     assert gpu_mfu.peak_flops(torch.device("cpu"), False)[1] == "measured bf16 matmul"
 
 
@@ -44,9 +45,8 @@ def test_cpu_smoke_run_with_each_head_and_loss(gpu_mfu, capsys, monkeypatch, los
     assert gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--batch", "2", "--steps", "1",
                          "--warmup", "1", "--no-compile", "--placements", "pre", "--ac", "off", "--loss", loss]) == 0
     out = capsys.readouterr().out
-    assert f"{loss} head + loss" in out
     row = next(line.split() for line in out.splitlines() if line.startswith("pre "))
-    assert row[-1] != "loss!)" and row[6].endswith("%")
+    assert row[3] == loss and row[-1] != "loss!)" and row[8].endswith("%")
 
 
 def test_set_overrides_preset_fields_and_names_a_bad_one(gpu_mfu):
@@ -64,3 +64,47 @@ def test_set_overrides_preset_fields_and_names_a_bad_one(gpu_mfu):
     assert got["finite"]
     with pytest.raises(hn.ConfigError, match="n_layer"):
         gpu_mfu.measure(argparse.Namespace(**{**vars(args), "set": ["n_layer=1"]}), "pre", False, torch.device("cpu"))
+
+
+def test_a_grid_of_batches_and_losses_is_measured_and_kept_as_json(gpu_mfu, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_mfu, "measured_peak_flops", lambda *a, **k: 1e12)
+    rows_path = tmp_path / "out" / "rows.json"
+    assert gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--batch", "1,2", "--steps", "1",
+                         "--warmup", "1", "--no-compile", "--placements", "pre", "--ac", "off",
+                         "--loss", "fast,plain", "--json", str(rows_path)]) == 0
+    rows = json.loads(rows_path.read_text())
+    assert [(r["loss"], r["batch"]) for r in rows] == [("fast", 1), ("fast", 2), ("plain", 1), ("plain", 2)]
+    for r in rows:  # MFU as the table defines it, from the row's own numbers
+        assert r["finite"] and r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / r["peak_flops"])
+    printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("pre ")]
+    assert [(r[3], int(r[2])) for r in printed] == [("fast", 1), ("fast", 2), ("plain", 1), ("plain", 2)]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [("--batch", "4,x", "comma list of integers"),
+                                                         ("--batch", "0", "positive"),
+                                                         ("--loss", "fast,chunky", "fast, plain, compiled")])
+def test_a_bad_list_is_refused_naming_the_valid_values(gpu_mfu, capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_mfu.parse_args([flag, value])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_profile_writes_where_the_step_goes(gpu_mfu, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_mfu, "measured_peak_flops", lambda *a, **k: 1e12)
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # step_profile.py beside the script
+    assert gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--batch", "2", "--steps", "1",
+                         "--warmup", "1", "--no-compile", "--placements", "hybridnorm_star", "--ac", "off",
+                         "--profile", str(tmp_path), "--profile-steps", "2"]) == 0
+    (row,) = json.loads((tmp_path / "profile.json").read_text())
+    prof = row["profile"]
+    assert prof["steps"] == 2 and prof["device"] == "cpu"
+    # every record lands in exactly one category, so the categories add up to the time in operators
+    assert sum(prof["categories"].values()) == pytest.approx(prof["busy_ms"], rel=1e-9)
+    # the regions this step has: blocks' matmuls, the fused head + loss, attention, norms, AdamW
+    assert {"matmul", "LM head matmul", "loss (not matmul)", "attention", "norms", "optimizer"} <= \
+        set(prof["categories"])
+    assert 0.0 <= prof["idle_share"] <= 1.0 and prof["busy_ms"] > 0
+    md = (tmp_path / "profile.md").read_text()
+    assert md.startswith("### tiny hybridnorm_star, AC off, batch 2 x 32, fast head + loss")
+    assert "| LM head matmul |" in md and "| `aten::mm` | matmul |" in md
