@@ -33,6 +33,7 @@ busiest kernels; the GPU's idle share) and DIR/profile.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -45,6 +46,7 @@ import torch
 import yaml
 
 import hybridnorm as hn
+from hybridnorm.nn.kernels.float8 import convert_to_float8
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import Dist
@@ -59,6 +61,7 @@ PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100",
 
 
 LOSSES = ("fast", "plain", "compiled")
+ON_OFF = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--set 'moe={num_experts: 16, top_k: 4}' (a MoE that fits one GPU)")
     p.add_argument("--placements", default="hybridnorm_star,pre")
     p.add_argument("--ac", choices=("off", "on", "both"), default="both", help="activation checkpointing")
+    p.add_argument("--float8", choices=("off", "on", "both"), default="off",
+                   help="the blocks' linears in float8 (TrainConfig.float8; needs an H100-class GPU to pay)")
     p.add_argument("--batch", type=_int_list, default=[4],
                    help="sequences per step (one micro-batch); a comma list measures each, e.g. 4,6,8")
     p.add_argument("--seq", type=int, default=4096)
@@ -152,11 +157,14 @@ def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.de
     loss = getattr(args, "loss", "fast")
     mcfg = hn.ModelConfig.from_preset(args.size, **model_overrides(getattr(args, "set", [])), placement=placement,
                                       fast_kernels=loss == "fast")
+    float8 = getattr(args, "float8", False) is True  # one configuration's value (main passes a bool)
     cfg = TrainConfig(model=mcfg, batch_size=args.batch, seq_len=args.seq, precision="bf16",
                       optim=OptimConfig(lr=1e-4, warmup_steps=0), device=str(device), compile=not args.no_compile,
-                      activation_checkpointing=ac, host_sync="log")
+                      activation_checkpointing=ac, host_sync="log", float8=float8)
     torch.manual_seed(0)
     model = hn.TransformerLM(mcfg).to(device)
+    if float8:  # as the trainer does: before checkpointing and compiling
+        convert_to_float8(model)
     checkpoint_blocks(model, ac)
     if cfg.compile:
         compile_blocks(model)
@@ -217,55 +225,53 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {where}; peak {peak / 1e12:.1f} TFLOP/s ({source}); {args.size}, "
           f"seq {args.seq}, bf16 autocast, {'eager' if args.no_compile else 'compiled blocks'}")
-    print(f"{'placement':<17}{'AC':>4}{'batch':>6}{'loss':>9}{'params':>9}{'step s':>9}{'tokens/s':>11}"
+    print(f"{'placement':<17}{'AC':>4}{'fp8':>4}{'batch':>6}{'loss':>9}{'params':>9}{'step s':>9}{'tokens/s':>11}"
           f"{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}{'warmup s':>10}")
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
     for placement in (p.strip() for p in args.placements.split(",") if p.strip()):
-        for ac in {"off": (False,), "on": (True,), "both": (False, True)}[args.ac]:
-            for loss in args.loss:
-                for batch in args.batch:
-                    config = argparse.Namespace(**{**vars(args), "batch": batch, "loss": loss})
-                    label = f"{placement:<17}{'on' if ac else 'off':>4}{batch:>6}{loss:>9}"
-                    row: dict[str, Any] = {"placement": placement, "ac": ac, "batch": batch, "loss": loss,
-                                           "seq": args.seq, "size": args.size, "set": args.set,
-                                           "peak_flops": peak, "peak_source": source, "device": where,
-                                           "torch": torch.__version__,
-                                           "commit": os.environ.get("HYBRIDNORM_COMMIT") or _git_head()}
-                    try:
-                        r = measure(config, placement, ac, device, args.profile_steps if args.profile else 0)
-                    except torch.OutOfMemoryError:
-                        print(f"{label}  out of memory")
-                        r = None
-                        row["oom"] = True
-                    if r is not None:
-                        achieved = r["tokens_per_s"] * r["flops_per_token"]
-                        prof = r.pop("profile")
-                        row.update(r, tflops=achieved / 1e12, mfu=achieved / peak)
-                        print(f"{label}{r['params'] / 1e6:>8.0f}M{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}"
-                              f"{achieved / 1e12:>9.1f}{achieved / peak:>7.1%}{r['peak_gib']:>10.1f}"
-                              f"{r['warmup_s']:>10.1f}" + ("" if r["finite"] else "  (non-finite loss!)"))
-                        if isinstance(prof, str):
-                            row["profile"] = prof
-                            print(f"{label}  {prof}")
-                        elif prof is not None:
-                            row["profile"] = prof.as_dict()
-                            profiles.append(profile_markdown(prof, args, placement, ac, batch, loss, r))
-                    rows.append(row)
-                    write_outputs(args, rows, profiles)
-                    torch._dynamo.reset()  # the next model's blocks compile afresh; free this one's memory
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+        for ac in ON_OFF[args.ac]:
+            for f8, loss, batch in itertools.product(ON_OFF[args.float8], args.loss, args.batch):
+                config = argparse.Namespace(**{**vars(args), "batch": batch, "loss": loss, "float8": f8})
+                label = f"{placement:<17}{'on' if ac else 'off':>4}{'on' if f8 else 'off':>4}{batch:>6}{loss:>9}"
+                row: dict[str, Any] = {"placement": placement, "ac": ac, "float8": f8, "batch": batch, "loss": loss,
+                                       "seq": args.seq, "size": args.size, "set": args.set, "peak_flops": peak,
+                                       "peak_source": source, "device": where, "torch": torch.__version__,
+                                       "commit": os.environ.get("HYBRIDNORM_COMMIT") or _git_head()}
+                try:
+                    r = measure(config, placement, ac, device, args.profile_steps if args.profile else 0)
+                except torch.OutOfMemoryError:
+                    print(f"{label}  out of memory")
+                    r = None
+                    row["oom"] = True
+                if r is not None:
+                    achieved = r["tokens_per_s"] * r["flops_per_token"]
+                    prof = r.pop("profile")
+                    row.update(r, tflops=achieved / 1e12, mfu=achieved / peak)
+                    print(f"{label}{r['params'] / 1e6:>8.0f}M{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}"
+                          f"{achieved / 1e12:>9.1f}{achieved / peak:>7.1%}{r['peak_gib']:>10.1f}"
+                          f"{r['warmup_s']:>10.1f}" + ("" if r["finite"] else "  (non-finite loss!)"))
+                    if isinstance(prof, str):
+                        row["profile"] = prof
+                        print(f"{label}  {prof}")
+                    elif prof is not None:
+                        row["profile"] = prof.as_dict()
+                        profiles.append(profile_markdown(prof, args, label, r))
+                rows.append(row)
+                write_outputs(args, rows, profiles)
+                torch._dynamo.reset()  # the next model's blocks compile afresh; free this one's memory
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     print("MFU: model FLOPs (6·N_matmul + 6·L·d·T per token) per second over the peak; goal >= 50% on one H100.")
     return 0
 
 
-def profile_markdown(prof: Any, args: argparse.Namespace, placement: str, ac: bool, batch: int, loss: str,
-                     r: dict[str, Any]) -> str:
+def profile_markdown(prof: Any, args: argparse.Namespace, label: str, r: dict[str, Any]) -> str:
     from step_profile import to_markdown  # beside this script
 
-    return to_markdown(prof, f"{args.size} {placement}, AC {'on' if ac else 'off'}, batch {batch} x {args.seq}, "
-                             f"{loss} head + loss: {r['tokens_per_s']:,.0f} tokens/s unprofiled")
+    placement, ac, f8, batch, loss = label.split()
+    return to_markdown(prof, f"{args.size} {placement}, AC {ac}, float8 {f8}, batch {batch} x {args.seq}, {loss} "
+                             f"head + loss: {r['tokens_per_s']:,.0f} tokens/s unprofiled")
 
 
 def _git_head() -> str | None:

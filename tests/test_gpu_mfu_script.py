@@ -35,7 +35,8 @@ def test_cpu_smoke_run_prints_a_row_per_configuration(gpu_mfu, capsys, monkeypat
     table = [r for r in rows if r and r[0] in ("pre", "hybridnorm_star")]
     assert [(r[0], r[1]) for r in table] == [("pre", "off"), ("pre", "on"), ("hybridnorm_star", "off"),
                                              ("hybridnorm_star", "on")]
-    assert all(r[2] == "2" and r[3] == "fast" and r[-1] != "loss!)" and r[8].endswith("%") for r in table)
+    assert all(r[2] == "off" and r[3] == "2" and r[4] == "fast" and r[-1] != "loss!)" and r[9].endswith("%")
+               for r in table)
     assert gpu_mfu.peak_flops(torch.device("cpu"), False)[1] == "measured bf16 matmul"
 
 
@@ -46,7 +47,7 @@ def test_cpu_smoke_run_with_each_head_and_loss(gpu_mfu, capsys, monkeypatch, los
                          "--warmup", "1", "--no-compile", "--placements", "pre", "--ac", "off", "--loss", loss]) == 0
     out = capsys.readouterr().out
     row = next(line.split() for line in out.splitlines() if line.startswith("pre "))
-    assert row[3] == loss and row[-1] != "loss!)" and row[8].endswith("%")
+    assert row[4] == loss and row[-1] != "loss!)" and row[9].endswith("%")
 
 
 def test_set_overrides_preset_fields_and_names_a_bad_one(gpu_mfu):
@@ -77,7 +78,7 @@ def test_a_grid_of_batches_and_losses_is_measured_and_kept_as_json(gpu_mfu, caps
     for r in rows:  # MFU as the table defines it, from the row's own numbers
         assert r["finite"] and r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / r["peak_flops"])
     printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("pre ")]
-    assert [(r[3], int(r[2])) for r in printed] == [("fast", 1), ("fast", 2), ("plain", 1), ("plain", 2)]
+    assert [(r[4], int(r[3])) for r in printed] == [("fast", 1), ("fast", 2), ("plain", 1), ("plain", 2)]
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [("--batch", "4,x", "comma list of integers"),
@@ -106,5 +107,19 @@ def test_profile_writes_where_the_step_goes(gpu_mfu, capsys, monkeypatch, tmp_pa
         set(prof["categories"])
     assert 0.0 <= prof["idle_share"] <= 1.0 and prof["busy_ms"] > 0
     md = (tmp_path / "profile.md").read_text()
-    assert md.startswith("### tiny hybridnorm_star, AC off, batch 2 x 32, fast head + loss")
+    assert md.startswith("### tiny hybridnorm_star, AC off, float8 off, batch 2 x 32, fast head + loss")
     assert "| LM head matmul |" in md and "| `aten::mm` | matmul |" in md
+
+
+
+def test_float8_rows_train_through_the_float8_linears(gpu_mfu, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_mfu, "measured_peak_flops", lambda *a, **k: 1e12)
+    real, swapped = gpu_mfu.convert_to_float8, []
+    monkeypatch.setattr(gpu_mfu, "convert_to_float8", lambda model: swapped.append(real(model)))
+    rows_path = tmp_path / "rows.json"
+    assert gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--batch", "2", "--steps", "1",
+                         "--warmup", "1", "--no-compile", "--placements", "pre", "--ac", "off", "--float8", "both",
+                         "--json", str(rows_path)]) == 0
+    rows = json.loads(rows_path.read_text())
+    assert [r["float8"] for r in rows] == [False, True] and all(r["finite"] for r in rows)
+    assert len(swapped) == 1 and len(swapped[0]) == 4 * 2  # the float8 row only: 4 linears in each of 2 blocks

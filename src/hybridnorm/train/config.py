@@ -67,6 +67,8 @@ class TrainConfig(Config):
     compile: bool = False                     # torch.compile each block (hybridnorm.nn.regional): compiles once
     activation_checkpointing: bool = False    # recompute each block's activations in backward: less memory,
                                               # about one more forward of the blocks per step
+    float8: bool = False                      # the blocks' four big linears in float8 (nn/kernels/float8.py):
+                                              # needs bf16; pays only on float8 tensor cores (H100-class GPUs)
     host_sync: Literal["auto", "step", "log"] = "auto"  # read loss / grad norm back every step or at check
                                               # steps only (auto: log on CUDA); see hybridnorm.train.host_sync
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate (DDP) or shard (FSDP2) the model;
@@ -96,6 +98,9 @@ class TrainConfig(Config):
         if self.host_sync == "log" and self.diagnostics.skip_spikes:
             raise ConfigError("host_sync='log' reads the loss only at check steps, but diagnostics.skip_spikes=true "
                               "decides on it before every update: use host_sync=step or auto")
+        if self.float8 and self.precision == "fp32":
+            raise ConfigError("float8=true runs the matmuls in float8 under bf16 autocast: it needs precision='bf16' "
+                              "(or 'auto' where that picks bf16), not 'fp32'")
         if self.parallel_replicate > 1 and self.parallel != "fsdp":
             raise ConfigError(f"parallel_replicate={self.parallel_replicate} needs parallel='fsdp' (HSDP: "
                               "replicas of a sharded model)")

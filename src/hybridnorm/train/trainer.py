@@ -34,6 +34,7 @@ import torch
 from hybridnorm.data import PreparedData, TokenBatches, prepare_data
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
+from hybridnorm.nn.kernels.float8 import convert_to_float8, float8_unsupported
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_counts
 from hybridnorm.train.batch_split import per_step_state, resolve_split
@@ -112,6 +113,8 @@ def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.dev
     """The module the step calls; ``model`` itself stays the raw module (checkpoints, eval, clipping). Under
     ``--parallel=fsdp`` this shards ``model`` in place (train/parallel.py), so call it before building the
     optimizer: the optimizer must hold the sharded parameters."""
+    if cfg.float8:  # before sharding: FSDP then holds the same parameters of the swapped modules
+        convert_to_float8(model)
     shard_model(model, cfg, device, d)
     checkpoint_blocks(model, cfg.activation_checkpointing)
     step_model: torch.nn.Module = compile_blocks(model) if cfg.compile else model  # in place, per block
@@ -163,6 +166,8 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     if cfg.model.vocab_size != vocab:  # the model's vocab always follows the tokenizer's
         cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
     precision, why = choose_precision(cfg.precision, device, cfg.model.d_model)
+    if cfg.float8 and (reason := float8_unsupported(precision, device)):  # before the config check of fp32
+        raise ConfigError(f"float8=true: {reason} ({why})")
     cfg = replace(cfg, precision=precision)  # config.yaml records what was chosen, not "auto"
     # a resume continues the run's model with its tokenizer (checked before config.yaml is rewritten)
     changed = check_resume(run_dir, cfg, data.tokenizer) if ckpt is not None else []
@@ -200,7 +205,8 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens),
                 hardware(device, d.world_size), peak)
-    log.message(f"precision: {precision} ({why}); AdamW: {describe_optimizer(optimizer)}")
+    float8 = "; float8 matmuls in the blocks' linears" if cfg.float8 else ""
+    log.message(f"precision: {precision} ({why}){float8}; AdamW: {describe_optimizer(optimizer)}")
     log.message(split.describe(d.world_size) + (" (derived to keep the global batch)" if split.changed else ""))
     if split.changed:
         log.log(state.step, {"event": "batch_split_derived", "global_batch": split.global_batch,

@@ -17,6 +17,11 @@ gradcheck of every Function in float64, and fast vs plain logits, losses and gra
                          ``F.linear(hidden, weight)`` (``TransformerLM.forward(..., targets=...)``)
 =======================  ================================================================================
 
+One more lives here that is not exact and not picked by ``fast_kernels``: ``float8.Float8LinearFn``, the
+blocks' linears on float8 tensor cores (``TrainConfig.float8``, opt-in), tested against its equations on
+the dequantized operands in float64 and against bf16 ``F.linear`` within float8's rounding. It runs under
+``torch.compile`` too (the speed it is for is the compiled step's).
+
 Without autograd (``torch.no_grad()`` or inputs that need no gradient) each entry point runs the same
 forward helper without the Function (nothing is saved for backward).
 

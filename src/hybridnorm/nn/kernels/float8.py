@@ -1,0 +1,130 @@
+"""Float8 training of the blocks' linears: ``torch._scaled_mm`` with dynamic per-tensor scales.
+
+The recipe is the common tensorwise one (torchao's ``Float8Linear`` default, Transformer Engine's delayed
+scaling without the history): each operand of each matmul is scaled by ``max_finite / amax`` of that very
+tensor and cast, the product is taken on float8 tensor cores with the inverse scales, and the output comes
+back in the autocast dtype. Activations and weights use E4M3 (more mantissa), the output gradient E5M2 (more
+range)::
+
+    y  = q4(x) q4(W)ᵀ          (forward, fp32 accumulation, bf16 out)
+    dx = q5(dy) q4(W)          dW = q5(dy)ᵀ q4(x)
+
+where ``q(t) = fp8(t · s) / s`` with ``s = max_finite / max|t|``. Its plain twin is those three lines on the
+dequantized tensors in float64 (``tests/nn/test_float8.py``), and against bf16 ``F.linear`` it differs by
+float8's rounding (3 mantissa bits), which is why it is an opt-in speed trade (``TrainConfig.float8``), used
+only for the blocks' four big linears and never for the LM head, the router or the norms.
+
+``torch._scaled_mm`` wants the first operand row-major, the second column-major, and every dimension a
+multiple of 16 on CUDA; :func:`float8_linear` lays the operands out so and falls back to ``F.linear`` for a
+shape it cannot take. On the CPU the same op runs (oneDNN or an emulation), so every path here is tested
+without a GPU; it pays only on tensor cores with float8 (compute capability 8.9+: H100, L4, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (its float8 image is zeros either way)
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper
+
+
+def float8_unsupported(precision: str, device: torch.device) -> str | None:
+    """Why float8 training cannot run here (None when it can): it needs bf16 autocast, and on CUDA float8
+    tensor cores. On the CPU it runs (slowly: for tests and smoke runs)."""
+    if precision != "bf16":
+        return f"it needs precision='bf16' (bf16 autocast), but this run trains in {precision}"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no float8 tensor "
+                f"cores: they need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ada, Hopper)")
+    if device.type not in ("cuda", "cpu"):
+        return f"torch._scaled_mm is not available on {device.type}"
+    return None
+
+
+def to_float8(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``t`` scaled into ``dtype``'s range and cast, and the fp32 scalar that undoes the scale:
+    ``t ≈ q.float() * inv``. Computed on the device (no host sync)."""
+    amax = t.detach().abs().amax().float().clamp(min=AMAX_FLOOR)
+    fmax = torch.finfo(dtype).max
+    scale = fmax / amax
+    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q, scale.reciprocal()
+
+
+def _col_major(t: Tensor) -> Tensor:
+    """The same matrix stored column by column (what ``_scaled_mm`` wants for its second operand)."""
+    return t.t().contiguous().t()
+
+
+def fits(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``x (..., K) @ weight (N, K)ᵀ`` has the shapes ``_scaled_mm`` takes: M, K, N multiples of 16."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return m > 0 and all(n % 16 == 0 for n in (m, *weight.shape))
+
+
+class Float8LinearFn(torch.autograd.Function):
+    """``x @ weight.T`` with both operands in E4M3, the output gradient in E5M2 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        xq, x_inv = to_float8(x2, E4M3)
+        wq, w_inv = to_float8(weight, E4M3)  # (N, K)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype,
+                             use_fast_accum=True)  # (M, N); wq.t() is column-major already
+        ctx.save_for_backward(xq, x_inv, wq, w_inv)
+        ctx.x_dtype, ctx.w_dtype, ctx.x_shape = x.dtype, weight.dtype, x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        xq, x_inv, wq, w_inv = ctx.saved_tensors
+        gq, g_inv = to_float8(dy.reshape(-1, dy.shape[-1]), E5M2)  # (M, N)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # (M, N) @ (N, K)
+            dx = torch._scaled_mm(gq, _col_major(wq), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.x_dtype)
+            dx = dx.view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
+            dw = torch._scaled_mm(gq.t().contiguous(), _col_major(xq), scale_a=g_inv, scale_b=x_inv,
+                                  out_dtype=ctx.w_dtype)
+        return dx, dw, None
+
+
+def float8_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``F.linear(x, weight)`` (no bias) through float8 where the shapes allow (:func:`fits`), else
+    ``F.linear`` itself. The output is in the autocast dtype when autocast is on, else in ``x``'s."""
+    if not fits(x, weight):
+        return F.linear(x, weight)
+    dev = x.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return Float8LinearFn.apply(x, weight, out_dtype)
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` without bias whose matmul runs in float8 (same parameter, same state-dict name)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return float8_linear(x, self.weight)
+
+
+BLOCK_LINEARS = ("attn.w_qkv", "attn.w_o", "ffn.w_in", "ffn.w_out")
+
+
+def convert_to_float8(model: nn.Module) -> list[str]:
+    """Make each block's attention and dense FFN linears :class:`Float8Linear` in place, keeping the
+    module and parameter objects (an optimizer or FSDP built before or after sees the same ones) and the
+    state-dict names. The LM head, embeddings, norms and a MoE's router and experts stay as they are. Returns the
+    names of the swapped modules."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or module.bias is not None:
+            continue
+        if not any(name.endswith(f".{suffix}") for suffix in BLOCK_LINEARS) or not name.startswith("blocks."):
+            continue
+        module.__class__ = Float8Linear  # it adds no state: the same object, parameter, hooks and flags
+        swapped.append(name)
+    return swapped
