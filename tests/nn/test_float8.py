@@ -17,10 +17,17 @@ from hybridnorm.nn.kernels.float8 import Float8Linear, convert_to_float8, float8
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0  # the formats' largest finite values (OCP FP8 spec)
 
 
-def dequantized(t: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
-    """The recipe by hand: scale by fmax / max|t|, round to the float8 format, undo the scale (float64)."""
-    scale = fmax / t.detach().abs().max().double()
-    return (t.detach().double() * scale).clamp(-fmax, fmax).to(dtype).double() / scale
+def recipe_quantized(t: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
+    """The recipe by hand: scale by fmax / max|t| (the correctly rounded fp32 quotient), round to the
+    float8 format; returned as the float8 values times the scale, in float64 (= t up to float8 rounding)."""
+    scale = torch.tensor(fmax, dtype=torch.float32) / t.detach().abs().max().float().cpu()
+    return (t.detach().float().cpu() * scale).clamp(-fmax, fmax).to(dtype).double()
+
+
+def own_operand(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the kernel multiplies: its own float8 operand times its own inverse scale, in float64 (CPU)."""
+    q, inv = f8.to_float8(t.detach(), dtype)
+    return q.double().cpu() * inv.double().cpu()
 
 
 def _operands(M: int = 64, K: int = 96, N: int = 48, seed: int = 0):
@@ -31,14 +38,34 @@ def _operands(M: int = 64, K: int = 96, N: int = 48, seed: int = 0):
     return x, w, dy
 
 
-def test_forward_and_gradients_follow_the_recipe_equations():
+@pytest.mark.parametrize(("dtype", "fmax"), [(torch.float8_e4m3fn, E4M3_MAX), (torch.float8_e5m2, E5M2_MAX)])
+def test_quantization_is_the_recipe(dtype, fmax):
+    t = torch.randn(256, 1536, generator=torch.Generator().manual_seed(3)) * 0.02
+    q, inv = f8.to_float8(t, dtype)
+    ours, recipe = q.double(), recipe_quantized(t, dtype, fmax)
+    assert q.dtype == dtype and inv.dtype == torch.float32 and inv.numel() == 1
+    assert ours.abs().max().item() == fmax  # the largest element lands on the format's largest value
+    # equal, except where t * scale sits on a rounding tie between two float8 values and one fp32 ulp of
+    # the scale (its division may round the other way: x / y vs x * (1 / y)) tips it: rare, one step apart
+    differ = ours != recipe
+    assert differ.sum().item() <= 1e-5 * t.numel()
+    mbits = 3 if dtype == torch.float8_e4m3fn else 2
+    step = 2.0**-mbits  # one float8 step, relative to the value (normal range)
+    assert ((ours - recipe).abs() <= step * torch.maximum(ours.abs(), recipe.abs()))[differ].all()
+    # and the inverse scale undoes the scale: q * inv is t up to half a float8 step (or, below the
+    # smallest normal, half the smallest subnormal)
+    half_subnormal = 0.5 * torch.finfo(dtype).tiny * 2.0**-mbits * inv.double()
+    assert ((q.double() * inv.double() - t.double()).abs() <= step / 2 * t.double().abs() + half_subnormal).all()
+
+
+def test_forward_and_gradients_are_the_three_products_of_the_float8_operands():
     x, w, dy = _operands()
     with torch.autocast("cpu", torch.bfloat16):
         y = float8_linear(x, w)
     assert y.dtype == torch.bfloat16 and y.shape == (4, 16, 48)
     y.backward(dy.to(y.dtype))
-    xd, wd = dequantized(x, torch.float8_e4m3fn, E4M3_MAX), dequantized(w, torch.float8_e4m3fn, E4M3_MAX)
-    gd = dequantized(dy.to(torch.bfloat16).float(), torch.float8_e5m2, E5M2_MAX)
+    xd, wd = own_operand(x, torch.float8_e4m3fn), own_operand(w, torch.float8_e4m3fn)
+    gd = own_operand(dy.to(torch.bfloat16), torch.float8_e5m2)
     y_ref, dx_ref, dw_ref = xd @ wd.T, gd @ wd, (gd.reshape(-1, 48).T @ xd.reshape(-1, 96))
     # forward: fp32 accumulation, rounded once to bf16 (8 significant bits)
     torch.testing.assert_close(y.double(), y_ref, rtol=2**-8, atol=1e-6 * y_ref.abs().max().item())
@@ -201,3 +228,58 @@ def test_a_float8_training_run_saves_the_plain_model_and_tracks_bf16(make_cfg, t
     # precision=auto picks fp32 for this tiny width on a CPU: the trainer says float8 cannot run, and why
     with pytest.raises(hn.ConfigError, match=r"float8=true: it needs precision='bf16'.*trains in fp32"):
         trainer.train(make_cfg(tmp_path / "auto", "--max_steps=1", "--precision=auto", "--float8=true"))
+
+
+def _cuda_float8_or_skip() -> torch.device:
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device) < f8.MIN_CAPABILITY:
+        pytest.skip(f"{torch.cuda.get_device_name(device)} has no float8 tensor cores")
+    return device
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_550m_shapes_are_the_products_of_the_float8_operands():
+    """cuBLAS's float8 kernels on the 550M preset's QKV shape against float64 products of the kernel's own
+    float8 operands: the forward accumulates with Hopper's fast accumulation, so its bound is two bf16
+    steps; the gradients accumulate in fp32. A wrong scale or operand layout is off by far more."""
+    device = _cuda_float8_or_skip()
+    x, w, dy = _cuda_operands(device)
+    y, dx, dw = _run_on(float8_linear, x, w, dy)
+    xd, wd = own_operand(x, torch.float8_e4m3fn), own_operand(w, torch.float8_e4m3fn)
+    gd = own_operand(dy.to(torch.bfloat16), torch.float8_e5m2)
+    refs = {"y": (y, xd @ wd.T, 2**-7), "dx": (dx, gd @ wd, 1e-4),
+            "dw": (dw, gd.reshape(-1, 2304).T @ xd.reshape(-1, 1536), 1e-4)}
+    for name, (got, ref, bound) in refs.items():
+        err = ((got.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+        assert err < bound, f"{name}: {err:.2e} of its largest value from the float64 products"
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_compiled_layer_equals_eager():
+    """Inductor's lowering (the casts fused, ``_scaled_mm`` as its template or cuBLAS) against eager. The
+    scales are computed in generated code, whose fp32 division may round one ulp apart and tip an element
+    sitting on a float8 rounding tie to its neighbour: hence a bound of 0.5 % of the largest value, which a
+    wrong scale or layout exceeds many times over."""
+    device = _cuda_float8_or_skip()
+    torch._dynamo.reset()
+    x, w, dy = _cuda_operands(device)
+    eager = _run_on(float8_linear, x, w, dy)
+    compiled = _run_on(torch.compile(float8_linear, fullgraph=True), x, w, dy)
+    for name, e, c in zip(("y", "dx", "dw"), eager, compiled, strict=True):
+        err = ((c.double() - e.double()).abs().max() / e.double().abs().max()).item()
+        assert err < 5e-3, f"{name}: compiled is {err:.2e} of its largest value from eager"
+
+
+def _cuda_operands(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(2, 128, 1536, device=device, generator=g)  # (B, T, d_model)
+    w = torch.randn(2304, 1536, device=device, generator=g) / 1536**0.5  # (q + k + v, d_model)
+    return x, w, torch.randn(2, 128, 2304, device=device, generator=g)
+
+
+def _run_on(fn, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast(x.device.type, torch.bfloat16):
+        y = fn(x, w)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad, w.grad
