@@ -9,10 +9,13 @@ range)::
     y  = q4(x) q4(W)ᵀ          (forward, fp32 accumulation, bf16 out)
     dx = q5(dy) q4(W)          dW = q5(dy)ᵀ q4(x)
 
-where ``q(t) = fp8(t · s) / s`` with ``s = max_finite / max|t|``. Its plain twin is those three lines on the
-dequantized tensors in float64 (``tests/nn/test_float8.py``), and against bf16 ``F.linear`` it differs by
-float8's rounding (3 mantissa bits), which is why it is an opt-in speed trade (``TrainConfig.float8``), used
-only for the blocks' four big linears and never for the LM head, the router or the norms.
+where ``q(t) = fp8(t · s) / s`` with ``s = max_finite / max|t|`` (fp32). Its plain twin is those lines
+written out in ``tests/nn/test_float8.py``: the quantization by hand, the three products in float64. Against
+bf16 ``F.linear`` it differs by float8's rounding (3 mantissa bits), which is why it is an opt-in speed trade
+(``TrainConfig.float8``), used only for the blocks' four big linears and never for the LM head, the router
+or the norms. An element of ``t · s`` that sits exactly on a rounding tie between two float8 values may
+round either way when ``s`` is one fp32 ulp off (eager and compiled code divide differently); that is
+within the recipe's own precision.
 
 ``torch._scaled_mm`` wants the first operand row-major, the second column-major, and every dimension a
 multiple of 16 on CUDA; :func:`float8_linear` lays the operands out so and falls back to ``F.linear`` for a
