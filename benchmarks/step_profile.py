@@ -30,7 +30,9 @@ HEAD = "LM head matmul"
 LOSS = "loss (not matmul)"
 # (category, pattern on the kernel's or operator's own name, pattern on its own or any caller's name: a region);
 # None: not used
+UNLINKED = "(kernels no operator launched)"
 CATEGORIES: tuple[tuple[str, str | None, str | None], ...] = (
+    ("unattributed", re.escape(UNLINKED), None),  # e.g. a kernel launched outside any profiled operator
     ("optimizer", r"multi_tensor_apply|adam", r"^Optimizer\."),
     (HEAD, r"gemm|cutlass|nvjet|xmma|cublas|^aten::(mm|addmm|bmm|matmul)$",
      r"CrossEntropyFn|cross_entropy|log_softmax|nll_loss"),
@@ -114,6 +116,9 @@ def records(prof: Any, device: torch.device) -> tuple[list[Record], float]:
             recs.extend(Record(k.name, callers, float(k.duration)) for k in e.kernels)
     spans = [(e.time_range.start, e.time_range.end) for e in events
              if e.device_type != torch.autograd.DeviceType.CPU]
+    unlinked = sum(t - s for s, t in spans) - sum(r.us for r in recs)
+    if unlinked > 1e-3 * sum(r.us for r in recs):  # shown, so that the categories add up to the kernel time
+        recs.append(Record(UNLINKED, (), unlinked))
     return recs, covered(spans)
 
 

@@ -46,6 +46,7 @@ LOSS = ("aten::mm", "LinearCrossEntropyFn")
     ("Memcpy HtoD (Pinned -> Device)", ("aten::copy_", "aten::to"), "copy / cast"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", ("aten::add",),
      "other eager"),
+    ("(kernels no operator launched)", (), "unattributed"),
     # CPU operators (self time) with their callers
     ("aten::mm", ("aten::matmul", "aten::linear"), "matmul"),
     ("aten::mm", ("aten::matmul", "LinearCrossEntropyFn"), "LM head matmul"),
