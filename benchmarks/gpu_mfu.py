@@ -82,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one compiles)")
     p.add_argument("--no-compile", action="store_true", help="eager blocks (for comparison)")
     p.add_argument("--loss", type=_choice_list(LOSSES), default=["fast"],
-                   help="LM head + loss: fast = F.linear then the chunked cross-entropy kernel (the trainer's); "
-                        "plain = F.cross_entropy on an fp32 copy (fast_kernels=false); compiled = the plain line "
+                   help="LM head + loss: fast = the head fused with a chunked cross-entropy, no logits tensor "
+                        "(the trainer's default, fast_kernels=true); plain = F.linear, then F.cross_entropy on an "
+                        "fp32 copy (fast_kernels=false); compiled = the plain line "
                         "under torch.compile (measured here only: not a trainer option yet); a comma list "
                         "measures each")
     p.add_argument("--profile", type=Path, metavar="DIR",

@@ -4,6 +4,7 @@ method of benchmarks/activation_memory.py), a monotone micro-batch search, and b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,9 +16,9 @@ from hybridnorm.nn import kernels
 from hybridnorm.train.plan import GIB, PlanOptions, activation_bytes, format_plan, meta_model, plan, sharded_numel
 
 
-def _real(size: str, placement: str = "hybridnorm_star") -> hn.TransformerLM:
+def _real(size: str, placement: str = "hybridnorm_star", **overrides) -> hn.TransformerLM:
     torch.manual_seed(0)
-    return hn.TransformerLM(hn.ModelConfig.from_preset(size, placement=placement))
+    return hn.TransformerLM(hn.ModelConfig.from_preset(size, placement=placement, **overrides))
 
 
 def _bytes(tensors) -> int:
@@ -94,10 +95,12 @@ TOL = 0.10
 def test_activation_formula_matches_saved_tensors(placement: str, precision: str, monkeypatch) -> None:
     torch.set_num_threads(1)
     # the plan is for GPUs: on CPU a bf16 attention at head dim < 64 runs (and saves its inputs) in fp32
-    # (kernels.sdpa_in_fp32), and the loss saves no fp32 log-softmax (kernels.cross_entropy), neither of
-    # which CUDA does; measure the kernels a GPU runs
+    # (kernels.sdpa_in_fp32), which CUDA does not. _kept runs the plain loss line, whose fp32 log-softmax
+    # is the per-token term of the plan for fast_kernels=false (the fused head + loss keeps none: its bytes
+    # are the test below's); the blocks keep what their fast kernels save either way
     monkeypatch.setattr(kernels, "upcasts_attention", lambda q: False)
     model = _real("small", placement)
+    plain_loss = dataclasses.replace(model.config, fast_kernels=False)
     B, T = 4, 64
     ids = torch.randint(0, model.config.vocab_size, (B, T))
     copies = 0
@@ -106,13 +109,44 @@ def test_activation_formula_matches_saved_tensors(placement: str, precision: str
     for ckpt in (False, True):
         model.activation_checkpointing = ckpt
         measured = _kept(model, ids, precision == "bf16") - (0 if ckpt else copies)
-        kept, recompute = activation_bytes(model.config, B * T, precision, ckpt)
+        kept, recompute = activation_bytes(plain_loss, B * T, precision, ckpt)
         if ckpt:
             # inside checkpointed blocks nothing is saved (so no weight copies seen), only the head's copy
             measured -= 2 * model.embed.weight.numel() if precision == "bf16" else 0
             assert recompute > 0
         assert kept >= measured * (1 - 0.02), (ckpt, kept, measured)  # never under: a plan must not overpromise
         assert abs(kept - measured) <= TOL * measured, (ckpt, kept, measured)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fused_loss", "plain_loss"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plan_bounds_the_measured_peak_of_a_step_for_either_loss(fast: bool, precision: str, monkeypatch) -> None:
+    """Parameters, gradients, kept activations and the larger transient (the LM head + loss's here: a wide
+    vocabulary makes it the biggest term) against MemTracker's peak of a real forward + backward. The plan
+    must not be under (a micro-batch it calls safe must fit) and not far over; it adds the gradients to the
+    loss-time peak, when they do not exist yet, so it reads over by about their size."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from hybridnorm.nn.kernels.loss import CE_CHUNK_ELEMENTS
+    from hybridnorm.train.plan import loss_peak_bytes
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(kernels, "upcasts_attention", lambda q: False)
+    model = _real("small", "pre", vocab_size=32768, fast_kernels=fast)
+    B, T = 4, 256
+    ids = torch.randint(0, model.config.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(ids[:, :-1], targets=ids[:, 1:])
+        loss.backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    c = 2 if precision == "bf16" else 4
+    copies = 2 * sum(p.numel() for p in model.parameters() if p.dim() == 2) if precision == "bf16" else 0
+    kept, _ = activation_bytes(model.config, B * T, precision, False)
+    planned = 8 * model.num_params() + copies + kept + loss_peak_bytes(model.config, B * T, c, CE_CHUNK_ELEMENTS)
+    assert peak <= planned <= 1.4 * peak, (peak, planned)
 
 
 def test_checkpointing_saves_memory_and_micro_batch_search_is_monotone() -> None:

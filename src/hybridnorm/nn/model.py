@@ -72,7 +72,7 @@ class TransformerLM(nn.Module):
         """Logits (B, T, V) for token ids (B, T); with ``return_aux`` also the MoE losses.
 
         With ``targets`` (B, T) (``-100``: not scored) it returns :func:`lm_loss` of the logits against
-        them instead, a 0-d fp32 tensor; on CPU the fast kernels compute it without the logits
+        them instead, a 0-d fp32 tensor; the fast kernels compute it without the logits, on every device
         (:func:`hybridnorm.nn.kernels.linear_cross_entropy`; ``fast_kernels=False``: the plain line).
 
         ``V`` is ``config.embedding_size`` (the vocab padded to ``pad_vocab_multiple``). ``cache`` is a
@@ -135,7 +135,7 @@ class TransformerLM(nn.Module):
         """lm_loss(head(x), targets); x (B, T, d) after the final norm. The fused kernel reads the head's
         weight directly, so an untied head with hooks goes through the module (its hooks fire)."""
         fast = self.config.fast_kernels
-        if kernels.active(fast) and x.device.type == "cpu" and (self.lm_head is None or not has_hooks(self.lm_head)):
+        if kernels.active(fast) and (self.lm_head is None or not has_hooks(self.lm_head)):
             return kernels.linear_cross_entropy(x.flatten(0, 1), self._head_weight(), targets.flatten())
         return lm_loss(self.head(x), targets, fast=fast)
 
@@ -240,7 +240,8 @@ def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100, fast: boo
     """Mean next-token cross-entropy in fp32 (fp64 for fp64 logits); logits (B, T, V) aligned with targets (B, T).
 
     ``fast`` on CPU: ``kernels.cross_entropy`` (no full fp32 log-softmax; the same value). The plain
-    line below is its definition and what the tests compare it with; CUDA runs the plain line."""
+    line below is its definition and what the tests compare it with. On CUDA this function runs the plain line;
+    a model computing its own loss (``targets=``) fuses the head with it instead (``TransformerLM._loss``)."""
     if kernels.active(fast) and logits.device.type == "cpu":
         return kernels.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index)
     wide = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))

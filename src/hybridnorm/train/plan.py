@@ -25,8 +25,12 @@ fp32; c as above; d model width, H/Hkv heads of size D, h FFN hidden size) per b
            + Σ over the Q/K/V/C norms on  (r·w + 4·w/D)                 w = H·D (Q, C) or Hkv·D (K, V)
     ffn    c·d + 2·c·h + 2·c·h                                          w_in input, gate|up, silu·up twice
 
-plus per token r·d + 4 + c·d + 8 (final norm, head input, token ids) and 4·V: the fp32 log-softmax the
-loss keeps (B·T·V·4). Under DDP with bf16, autocast keeps a bf16 copy of every matmul weight until the
+plus per token r·d + 4 + c·d + 8 (final norm, head input or its gradient, token ids), and the LM head +
+loss (V the padded vocabulary): the fused kernel of ``fast_kernels`` (the default, on every device) keeps
+nothing per logit, only while it runs one chunk of fp32 logits and their gradient (~2^28 logits on a GPU)
+and the (V, d) weight gradient; the plain line (``fast_kernels=false``) keeps the fp32 log-softmax, 4·V per
+token, and at the start of its backward 8·V more (its gradient and its input's): :func:`loss_peak_bytes`.
+Under DDP with bf16, autocast keeps a bf16 copy of every matmul weight until the
 backward: 2·N_matmul bytes, whatever the batch. With activation checkpointing a block keeps only its
 input (r·d per token), and one block's full activations come back during its recompute.
 """
@@ -34,6 +38,7 @@ input (r·d per token), and one block's full activations come back during its re
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -42,6 +47,7 @@ import torch
 from hybridnorm.config import ModelConfig
 from hybridnorm.config_base import Config, bounded
 from hybridnorm.errors import ConfigError
+from hybridnorm.nn.kernels.loss import CE_CHUNK_ELEMENTS_GPU
 
 GIB = 2**30
 PAPER_GLOBAL_TOKENS = 4 * 2**20  # the paper's 4M-token batch: 1024 sequences of 4096
@@ -136,13 +142,33 @@ def layer_act_bytes(mc: ModelConfig, compute_bytes: int, layer: int = 0) -> int:
 
 
 def head_act_bytes(mc: ModelConfig, compute_bytes: int) -> int:
-    """Per token outside the blocks: final norm, head input, ids, and the loss's fp32 log-softmax."""
-    return R * mc.d_model + 4 + compute_bytes * mc.d_model + 8 + 4 * mc.embedding_size
+    """Per token outside the blocks, kept for the backward: final norm input and statistic, the head's input
+    (plain line) or d loss/d hidden (fused head + loss), the ids, and with the plain line the loss's fp32
+    log-softmax."""
+    kept = R * mc.d_model + 4 + compute_bytes * mc.d_model + 8
+    return kept if mc.fast_kernels else kept + 4 * mc.embedding_size
+
+
+def loss_peak_bytes(mc: ModelConfig, tokens: int, compute_bytes: int,
+                    chunk_elements: int = CE_CHUNK_ELEMENTS_GPU) -> int:
+    """Bytes live only while the LM head and loss run (on top of everything kept), for ``tokens`` tokens.
+
+    Fused head + loss (``fast_kernels``, :class:`~hybridnorm.nn.kernels.LinearCrossEntropyFn`): one chunk
+    of fp32 logits and its gradient in the compute dtype, the fp32 weight-gradient accumulator, one chunk's
+    weight-gradient term (compute dtype, when not fp32) and the weight gradient it keeps. Plain line
+    (F.linear, an fp32 copy, F.cross_entropy): at the start of the backward the fp32 log-softmax (counted as
+    kept), its gradient and the gradient of its input are live together: 8 more bytes per logit."""
+    V, d, c = mc.embedding_size, mc.d_model, compute_bytes
+    if not mc.fast_kernels:
+        return 8 * tokens * V
+    rows = min(tokens, max(1, chunk_elements // V))
+    return rows * V * (4 + c) + 4 * V * d + (c * V * d if c != 4 else 0) + c * V * d
 
 
 def activation_bytes(mc: ModelConfig, tokens: int, precision: str, checkpointing: bool) -> tuple[int, int]:
     """(bytes the forward keeps for the backward, extra bytes live while one block recomputes) for
-    ``tokens`` = micro_batch·seq_len tokens; weight copies are not included (see :func:`plan`)."""
+    ``tokens`` = micro_batch·seq_len tokens; weight copies and the loss's transient bytes
+    (:func:`loss_peak_bytes`) are not included (see :func:`plan`)."""
     c = 2 if precision == "bf16" else 4
     layers = [layer_act_bytes(mc, c, i) for i in range(mc.n_layers)]
     head = head_act_bytes(mc, c)
@@ -151,9 +177,22 @@ def activation_bytes(mc: ModelConfig, tokens: int, precision: str, checkpointing
     return tokens * (sum(layers) + head), 0
 
 
-def _largest_fitting(fixed: int, per_seq: int, budget: int) -> int:
-    """The largest micro-batch m with fixed + m·per_seq <= budget (0: not even one sequence)."""
-    return max(0, (budget - fixed) // per_seq) if per_seq > 0 else 0
+def _largest_fitting(fixed: int, act_of: Callable[[int], int], budget: int, cap: int = 2**20) -> int:
+    """The largest micro-batch m <= cap with fixed + act_of(m) <= budget (0: not even one sequence);
+    ``act_of`` grows with m (linearly, except the loss's chunk, which stops growing at its row cap)."""
+    def fits(m: int) -> bool:
+        return fixed + act_of(m) <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def plan(opts: PlanOptions) -> Plan:
@@ -177,16 +216,16 @@ def plan(opts: PlanOptions) -> Plan:
                  c * (root + 3 * max(block)) + 4 * max(block) + 4 * n),  # 4·n: no_sync's unsharded grads
     }
 
-    def act(tokens: int, ckpt: bool) -> int:
+    def act(tokens: int, ckpt: bool) -> int:  # kept, plus whichever transient is larger: the loss's or a recompute's
         kept, recompute = activation_bytes(mc, tokens, opts.precision, ckpt)
-        return kept + recompute
+        return kept + max(recompute, loss_peak_bytes(mc, tokens, c))
 
     # largest micro-batch: states and weight copies are fixed, activations grow linearly per sequence
     # (the search counts no_sync's gradient buffer: conservative whenever grad_accum would come out 1)
     fits = {}
     for mode, (p, g, o, buf) in states.items():
         fixed = p + g + o + buf
-        fits[mode] = tuple(_largest_fitting(fixed, act(T, ck), budget) for ck in (False, True))
+        fits[mode] = tuple(_largest_fitting(fixed, lambda m, ck=ck: act(m * T, ck), budget) for ck in (False, True))
     _check_something_fits(opts, fits, {m: sum(s) for m, s in states.items()}, act(T, True), budget)
     # the default: FSDP's largest without recompute, else (only checkpointing fits) the largest with it
     mb = opts.micro_batch or fits["fsdp"][0] or max(f[1] for f in fits.values())

@@ -51,7 +51,7 @@ class StepGradients:
 
 def training_loss(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """``lm_loss`` of the model's logits for x against y, and the MoE losses ({} if dense). The model computes
-    it (``targets=``), so that on CPU the fast kernels fuse the LM head with the loss (no logits tensor)."""
+    it (``targets=``), so that the fast kernels fuse the LM head with the loss (no logits tensor)."""
     return model(x, targets=y, return_aux=True)
 
 
