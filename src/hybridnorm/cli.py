@@ -214,7 +214,8 @@ class _Parser(argparse.ArgumentParser):
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.train.plan import PlanOptions, format_plan, plan
 
-    names = ("size", "gpus", "gpu_mem", "seq_len", "micro_batch", "global_batch_tokens", "precision", "placement")
+    names = ("size", "gpus", "gpu_mem", "seq_len", "micro_batch", "global_batch_tokens", "precision", "placement",
+             "loss")
     print(format_plan(plan(PlanOptions.from_dict({k: getattr(args, k) for k in names}))))
     return 0
 
@@ -335,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--global-batch-tokens", type=int, default=4 * 2**20, help="target tokens per step")
     m.add_argument("--precision", default="bf16", help="bf16 (autocast) or fp32")
     m.add_argument("--placement", default="hybridnorm_star")
+    m.add_argument("--loss", default="fast", help="LM head + loss: fast (fused, the default) or plain "
+                                                  "(--model.fast_kernels=false: fp32 logits, far more memory)")
     m.set_defaults(func=_plan)
     # the options each config-taking command owns: any other --key is a config override
     ap.own_options = {name: set(sub.choices[name]._option_string_actions) for name in ("train", "compare", "sweep")}

@@ -149,6 +149,15 @@ def test_plan_bounds_the_measured_peak_of_a_step_for_either_loss(fast: bool, pre
     assert peak <= planned <= 1.4 * peak, (peak, planned)
 
 
+def test_the_plain_loss_line_fits_fewer_sequences(capsys: pytest.CaptureFixture[str]) -> None:
+    fused, plain = (plan(PlanOptions(size="550m", gpus=1, gpu_mem=80, seq_len=4096, loss=loss)) for loss in
+                    ("fast", "plain"))
+    # 100k vocabulary: the plain line's fp32 logits cost more per sequence than a block stack's activations
+    assert plain.modes[0].max_micro_batch < fused.modes[0].max_micro_batch
+    assert cli.main(["plan", "--size", "550m", "--gpus", "1", "--loss", "plain"]) == 0
+    assert "plain LM head + loss" in capsys.readouterr().out
+
+
 def test_checkpointing_saves_memory_and_micro_batch_search_is_monotone() -> None:
     previous = (0, 0)
     for mem in (20, 40, 80, 141):
@@ -191,6 +200,7 @@ def test_cli_plan_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     (["--size", "3b"], "size '3b'"),
     (["--precision", "fp16"], "--precision"),
     (["--micro-batch", "0"], "--micro-batch=0"),
+    (["--loss", "chunky"], "--loss='chunky' is not one of 'fast', 'plain'"),
     (["--size", "tiny", "--seq-len", "4096"], "max_seq_len"),
 ])
 def test_cli_plan_bad_options(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

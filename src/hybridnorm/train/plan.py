@@ -67,6 +67,7 @@ class PlanOptions(Config):
     global_batch_tokens: int = bounded(PAPER_GLOBAL_TOKENS, ge=1)
     precision: Literal["bf16", "fp32"] = "bf16"
     placement: str = "hybridnorm_star"
+    loss: Literal["fast", "plain"] = "fast"  # LM head + loss: fused (fast_kernels=true) or the plain line
     headroom: float = bounded(0.10, ge=0, lt=1)  # fraction of gpu_mem left for the allocator, NCCL, kernels
 
     @classmethod
@@ -112,7 +113,7 @@ def model_config(opts: PlanOptions) -> ModelConfig:
     if opts.seq_len > preset["max_seq_len"]:
         raise ConfigError(f"--seq-len={opts.seq_len} exceeds the {opts.size} preset's max_seq_len="
                           f"{preset['max_seq_len']}")
-    return ModelConfig.from_preset(opts.size, placement=opts.placement)
+    return ModelConfig.from_preset(opts.size, placement=opts.placement, fast_kernels=opts.loss == "fast")
 
 
 def meta_model(mc: ModelConfig) -> torch.nn.Module:
@@ -274,7 +275,8 @@ def format_plan(pl: Plan) -> str:
     fits = [f"{m.mode.upper()}{' with checkpointing' if ck else ''}" for ck in (False, True) for m in pl.modes
             if pl.micro_batch <= (m.max_micro_batch_ckpt if ck else m.max_micro_batch)]
     lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {o.gpus} GPUs x {o.gpu_mem:g} GiB "
-             f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len}, {o.precision}",
+             f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len}, {o.precision}, "
+             f"{'fused' if o.loss == 'fast' else 'plain'} LM head + loss",
              f"micro-batch {pl.micro_batch} x grad_accum {pl.grad_accum} x {o.gpus} GPUs = {pl.global_tokens:,} "
              f"tokens per step (target {o.global_batch_tokens:,})",
              f"micro-batch {pl.micro_batch} fits under: {', '.join(fits)}"]
