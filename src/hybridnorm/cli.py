@@ -214,9 +214,8 @@ class _Parser(argparse.ArgumentParser):
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.train.plan import PlanOptions, format_plan, plan
 
-    names = ("size", "gpus", "gpu_mem", "seq_len", "micro_batch", "global_batch_tokens", "precision", "placement",
-             "loss")
-    print(format_plan(plan(PlanOptions.from_dict({k: getattr(args, k) for k in names}))))
+    options = {k: v for k, v in vars(args).items() if k in PlanOptions.__dataclass_fields__}  # not the parser's
+    print(format_plan(plan(PlanOptions.from_dict(options))))
     return 0
 
 
@@ -241,9 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
     t.set_defaults(func=_train)
 
-    for name, help_text in (
-            ("compare", "train several placements side by side and write a report folder"),
-            ("sweep", "train placements over a grid of knobs and report where each one stops training")):
+    for name, help_text in (("compare", "train several placements side by side and write a report folder"),
+                           ("sweep", "train placements over a grid of knobs and report where each one stops training")):
         c = sub.add_parser(name, parents=[common], help=help_text,
                            description=f"{help_text}. Extra --key=value options override any config field. "
                                        "Re-running the same command skips finished runs and continues "
@@ -336,8 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--global-batch-tokens", type=int, default=4 * 2**20, help="target tokens per step")
     m.add_argument("--precision", default="bf16", help="bf16 (autocast) or fp32")
     m.add_argument("--placement", default="hybridnorm_star")
-    m.add_argument("--loss", default="fast", help="LM head + loss: fast (fused, the default) or plain "
-                                                  "(--model.fast_kernels=false: fp32 logits, far more memory)")
+    m.add_argument("--loss", default="fast", help="LM head + loss: fast (fused) or plain (fast_kernels=false)")
     m.set_defaults(func=_plan)
     # the options each config-taking command owns: any other --key is a config override
     ap.own_options = {name: set(sub.choices[name]._option_string_actions) for name in ("train", "compare", "sweep")}
