@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{label}  {prof}")
                     elif prof is not None:
                         row["profile"] = prof.as_dict()
-                        profiles.append(profile_markdown(prof, args, label, r))
+                        profiles.append(profile_markdown(prof, args, row))
                 rows.append(row)
                 write_outputs(args, rows, profiles)
                 torch._dynamo.reset()  # the next model's blocks compile afresh; free this one's memory
@@ -267,12 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def profile_markdown(prof: Any, args: argparse.Namespace, label: str, r: dict[str, Any]) -> str:
+def profile_markdown(prof: Any, args: argparse.Namespace, row: dict[str, Any]) -> str:
     from step_profile import to_markdown  # beside this script
 
-    placement, ac, f8, batch, loss = label.split()
-    return to_markdown(prof, f"{args.size} {placement}, AC {ac}, float8 {f8}, batch {batch} x {args.seq}, {loss} "
-                             f"head + loss: {r['tokens_per_s']:,.0f} tokens/s unprofiled")
+    on = {True: "on", False: "off"}
+    return to_markdown(prof, f"{args.size} {row['placement']}, AC {on[row['ac']]}, float8 {on[row['float8']]}, "
+                             f"batch {row['batch']} x {args.seq}, {row['loss']} head + loss: "
+                             f"{row['tokens_per_s']:,.0f} tokens/s unprofiled")
 
 
 def _git_head() -> str | None:

@@ -28,9 +28,9 @@ import torch
 
 HEAD = "LM head matmul"
 LOSS = "loss (not matmul)"
+UNLINKED = "(kernels no operator launched)"
 # (category, pattern on the kernel's or operator's own name, pattern on its own or any caller's name: a region);
 # None: not used
-UNLINKED = "(kernels no operator launched)"
 CATEGORIES: tuple[tuple[str, str | None, str | None], ...] = (
     ("unattributed", re.escape(UNLINKED), None),  # e.g. a kernel launched outside any profiled operator
     ("optimizer", r"multi_tensor_apply|adam", r"^Optimizer\."),
@@ -104,7 +104,7 @@ def records(prof: Any, device: torch.device) -> tuple[list[Record], float]:
     """The profile's time records and its busy microseconds (merged kernel intervals on a GPU)."""
     events = prof.events()
     if device.type == "cpu":
-        recs = [Record(e.name, _callers(e.cpu_parent) if e.cpu_parent else (), e.self_cpu_time_total)
+        recs = [Record(e.name, _callers(e.cpu_parent), e.self_cpu_time_total)
                 for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0]
         # self times of all operators, nested ones included, add up to the time spent in operators: the
         # step's own Python between them is idle time here, as launch overhead is on a GPU
@@ -116,8 +116,9 @@ def records(prof: Any, device: torch.device) -> tuple[list[Record], float]:
             recs.extend(Record(k.name, callers, float(k.duration)) for k in e.kernels)
     spans = [(e.time_range.start, e.time_range.end) for e in events
              if e.device_type != torch.autograd.DeviceType.CPU]
-    unlinked = sum(t - s for s, t in spans) - sum(r.us for r in recs)
-    if unlinked > 1e-3 * sum(r.us for r in recs):  # shown, so that the categories add up to the kernel time
+    linked = sum(r.us for r in recs)
+    unlinked = sum(t - s for s, t in spans) - linked
+    if unlinked > 1e-3 * linked:  # shown, so that the categories add up to the kernel time
         recs.append(Record(UNLINKED, (), unlinked))
     return recs, covered(spans)
 

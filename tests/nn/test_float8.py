@@ -200,7 +200,7 @@ def test_compiled_float8_layer_equals_eager_without_graph_breaks():
         torch.testing.assert_close(c.float(), e.float(), rtol=2**-7, atol=1e-3 * e.float().abs().max().item())
 
 
-def test_trainer_option_is_checked_and_recorded(tmp_path):
+def test_the_option_needs_bf16_and_a_device_with_scaled_mm():
     from hybridnorm.train.config import TrainConfig
 
     with pytest.raises(hn.ConfigError, match=r"float8=true .* precision='bf16'"):

@@ -39,8 +39,8 @@ def float8_unsupported(precision: str, device: torch.device) -> str | None:
     tensor cores. On the CPU it runs (slowly: for tests and smoke runs)."""
     if precision != "bf16":
         return f"it needs precision='bf16' (bf16 autocast), but this run trains in {precision}"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(device)
+    if device.type == "cuda" and (capability := torch.cuda.get_device_capability(device)) < MIN_CAPABILITY:
+        major, minor = capability
         return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no float8 tensor "
                 f"cores: they need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ada, Hopper)")
     if device.type not in ("cuda", "cpu"):
