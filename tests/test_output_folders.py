@@ -23,7 +23,8 @@ names = st.text("abcdefghijklmnopqrstuvwxyz_.-", min_size=1, max_size=10).filter
     lambda n: n not in RUN_MARKERS and not n.startswith(".") and n not in (".", ".."))
 # a user's files: including the names the commands write (config.yaml, tokenizer.json, config.json ...)
 user_files = st.dictionaries(names | st.sampled_from(["config.yaml", "tokenizer.json", "config.json",
-                                                      "model.safetensors", "README.md"]),
+                                                      "model.safetensors", "README.md", "summary.md", "runs",
+                                                      "runs.json"]),
                              st.binary(max_size=64), min_size=1, max_size=4)
 
 
@@ -83,3 +84,21 @@ def test_a_new_or_empty_folder_is_written(folders, tmp_path, capsys, command) ->
         assert main(_argv(command, hf if command == "import" else run, out, tmp_path, tmp_path)) == 0
         assert (out / ("checkpoints" if command == "import" else "config.json")).exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left behind
+
+
+def test_a_report_folder_is_recognised_by_its_grid_points_not_by_its_file_names(tmp_path, corpus, cache_dir,
+                                                                                capsys) -> None:
+    """``compare --out`` continues its own report folder, and refuses one whose summary.md and runs/ are a
+    user's (no grid point under runs/), keeping every file."""
+    own = tmp_path / "report"
+    argv = _argv("compare", tmp_path, own, corpus, cache_dir)
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "2 already done" in capsys.readouterr().err
+    root = tmp_path / "user"
+    theirs = root / "notes"
+    (theirs / "runs" / "pre").mkdir(parents=True)
+    (theirs / "runs" / "pre" / "notes.txt").write_text("mine")
+    (theirs / "summary.md").write_text("# my summary")
+    assert_refused(_argv("compare", tmp_path, theirs, corpus, cache_dir), capsys, [str(theirs), "not empty"], root)

@@ -11,19 +11,25 @@ never disagree in a saved ``config.json``.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 
 from hybridnorm.config import ModelConfig
+from hybridnorm.errors import ConfigError
 
 MODEL_TYPE = "hybridnorm"
 
-# HF field -> ModelConfig field, for the sizes both name (vocab_size is handled apart: HF's counts rows)
-_SIZE_FIELDS = {"hidden_size": "d_model", "intermediate_size": "ffn_hidden_size", "num_hidden_layers": "n_layers",
-                "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-                "head_dim": "attn_head_dim", "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps",
-                "rope_theta": "rope_theta"}
+# HF field -> ModelConfig field, for what both name (vocab_size is handled apart: HF's counts rows).
+# initializer_range is the σ of every scheme's truncated normal (None: the default 1/sqrt(2.5 d)); transformers'
+# own code and tests read it (``_config_zero_init`` shrinks it to check that every random draw scales with it)
+_STANDARD_FIELDS = {"hidden_size": "d_model", "intermediate_size": "ffn_hidden_size",
+                    "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                    "num_key_value_heads": "n_kv_heads", "head_dim": "attn_head_dim",
+                    "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
+                    "initializer_range": "init_std"}
+_HF_NAME = {name: hf_name for hf_name, name in _STANDARD_FIELDS.items() if hf_name != name}
 
 
 class HybridNormConfig(PretrainedConfig):
@@ -47,6 +53,7 @@ class HybridNormConfig(PretrainedConfig):
     max_position_embeddings: int | None = None
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
+    initializer_range: float | None = None
     placement: str | None = None
     attention_dropout: float = 0.0
     use_cache: bool = True
@@ -75,13 +82,16 @@ class HybridNormConfig(PretrainedConfig):
             d = {"placement": self.placement or ModelConfig.placement}
         if self.tie_word_embeddings is not None:
             d["tie_embeddings"] = self.tie_word_embeddings
-        for hf_name, name in _SIZE_FIELDS.items():
+        for hf_name, name in _STANDARD_FIELDS.items():
             if getattr(self, hf_name, None) is not None:
                 d[name] = getattr(self, hf_name)
-        mc = ModelConfig.from_dict(d)
-        if self.vocab_size is not None and self.vocab_size != mc.embedding_size:
-            # HF's vocab_size counts embedding rows (resize_token_embeddings sets it): no padding on top
-            mc = ModelConfig.from_dict({**d, "vocab_size": self.vocab_size, "pad_vocab_multiple": 1})
+        try:
+            mc = ModelConfig.from_dict(d)
+            if self.vocab_size is not None and self.vocab_size != mc.embedding_size:
+                # HF's vocab_size counts embedding rows (resize_token_embeddings sets it): no padding on top
+                mc = ModelConfig.from_dict({**d, "vocab_size": self.vocab_size, "pad_vocab_multiple": 1})
+        except ConfigError as e:  # name the field as the caller of this class spelled it, too
+            raise ConfigError(re.sub(r"\bmodel\.(\w+)", _both_names, str(e))) from None
         mc.placement = mc.resolved_placement().to_dict()
         return mc
 
@@ -95,6 +105,7 @@ class HybridNormConfig(PretrainedConfig):
         self.num_key_value_heads, self.head_dim = mc.kv_heads, mc.head_dim
         self.max_position_embeddings = mc.max_seq_len
         self.rms_norm_eps, self.rope_theta = mc.norm_eps, mc.rope_theta
+        self.initializer_range = mc.init_std
         self.placement = mc.resolved_placement().name
         self.tie_word_embeddings = mc.tie_embeddings
 
@@ -105,6 +116,11 @@ class HybridNormConfig(PretrainedConfig):
     @classmethod
     def from_model_config(cls, mc: ModelConfig, **kwargs: Any) -> HybridNormConfig:
         return cls(hybridnorm=mc.to_dict(), **kwargs)
+
+
+def _both_names(m: re.Match) -> str:
+    """``model.d_model`` -> ``hidden_size (model.d_model)`` for a field with a standard name."""
+    return f"{_HF_NAME[m[1]]} ({m[0]})" if m[1] in _HF_NAME else m[0]
 
 
 def _plain(x: Any) -> Any:

@@ -34,6 +34,7 @@ from hybridnorm.hf.compat import CACHE_FIELD, causal_mask, with_cache
 from hybridnorm.hf.configuration import MODEL_TYPE, HybridNormConfig
 from hybridnorm.hf.loss import causal_lm_loss
 from hybridnorm.nn.block import Block
+from hybridnorm.nn.init import head_std, trunc_normal
 from hybridnorm.nn.model import TransformerLM
 
 __all__ = ["MODEL_TYPE", "HybridNormConfig", "HybridNormForCausalLM", "HybridNormModel", "register"]
@@ -83,6 +84,13 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         if isinstance(module, TransformerLM):
             module.reset_parameters()
             module.reset_rope()
+        elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
+                and all(module is not m for m in self.model.modules()):
+            # one transformers made outside the model: resize_token_embeddings(mean_resizing=False)'s new
+            # embedding or head, drawn as the scheme draws those (torch's own default would be N(0, 1))
+            mc = self.model.config
+            std = mc.std if isinstance(module, torch.nn.Embedding) else head_std(mc.resolved_init(), mc.std, mc.d_model)
+            trunc_normal(module.weight, std)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.model.embed

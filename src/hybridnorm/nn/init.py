@@ -25,8 +25,14 @@ from torch import Tensor, nn
 from hybridnorm.nn.norms import Norm
 
 
-def _tn(t: Tensor, std: float) -> None:
+def trunc_normal(t: Tensor, std: float) -> None:
+    """Fill ``t`` in place with N(0, σ²) truncated at ±3σ, the draw of every scheme."""
     nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+def head_std(scheme: str, std: float, d_model: int) -> float:
+    """σ of an untied LM head: 1/√d under ``megatron``/``depth_scaled``, else σ."""
+    return 1 / math.sqrt(d_model) if scheme in ("megatron", "depth_scaled") else std
 
 
 def deepnorm_beta(n_layers: int) -> float:
@@ -39,7 +45,7 @@ def init_weights(model: nn.Module, scheme: str, std: float) -> None:
     n_layers = len(model.blocks)
     d_model = model.embed.weight.shape[1]
     beta = deepnorm_beta(n_layers) if scheme == "deepnorm" else 1.0
-    _tn(model.embed.weight, std)
+    trunc_normal(model.embed.weight, std)
     for depth, block in enumerate(model.blocks, start=1):
         out_std = {
             "normal": std,
@@ -48,23 +54,23 @@ def init_weights(model: nn.Module, scheme: str, std: float) -> None:
             "deepnorm": std * beta,
         }[scheme]
         attn = block.attn
-        _tn(attn.w_qkv.weight, std)
+        trunc_normal(attn.w_qkv.weight, std)
         # a loader that marks the tensors it filled (transformers' `_is_hf_initialized`, honoured by its guarded
         # nn.init functions) must not see the V rows re-drawn: they are a view, which the mark does not reach
         if beta != 1.0 and not getattr(attn.w_qkv.weight, "_is_hf_initialized", False):
             v_rows = attn.w_qkv.weight[(attn.n_heads + attn.n_kv_heads) * attn.head_dim:]
-            _tn(v_rows, std * beta)
-        _tn(attn.w_o.weight, out_std)
+            trunc_normal(v_rows, std * beta)
+        trunc_normal(attn.w_o.weight, out_std)
         ffn = block.ffn
         if hasattr(ffn, "router"):  # MoE: stacked expert weights
-            _tn(ffn.router.weight, std)
-            _tn(ffn.w_in, std * beta)
-            _tn(ffn.w_out, out_std)
+            trunc_normal(ffn.router.weight, std)
+            trunc_normal(ffn.w_in, std * beta)
+            trunc_normal(ffn.w_out, out_std)
         else:
-            _tn(ffn.w_in.weight, std * beta)
-            _tn(ffn.w_out.weight, out_std)
+            trunc_normal(ffn.w_in.weight, std * beta)
+            trunc_normal(ffn.w_out.weight, out_std)
     if model.lm_head is not None:
-        _tn(model.lm_head.weight, 1 / math.sqrt(d_model) if scheme in ("megatron", "depth_scaled") else std)
+        trunc_normal(model.lm_head.weight, head_std(scheme, std, d_model))
     for m in model.modules():
         if isinstance(m, Norm):
             m.reset_parameters()

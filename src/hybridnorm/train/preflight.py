@@ -207,13 +207,14 @@ def check_writable_dir(path: str | Path, what: str = "output folder") -> Path:
 # What makes a folder a run folder: what only the trainer, ``import`` or a grid write (the lock from the
 # trainer's first moment on). Not config.yaml: users keep their own configs under that name.
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "point.json", "train.lock")
-# ... and a report folder of `compare`/`sweep`: its grid's runs and its summary
-REPORT_MARKERS = ("runs", "summary.md")
+# ... and a report folder of `compare`/`sweep`: a runs/ folder holding a grid point (runs/NAME/point.json, the
+# first thing a grid writes). A summary.md or a `runs` entry alone is anybody's: a report would overwrite it.
+REPORT_POINT = ("runs", "*", "point.json")
 
 
 def folder_kind(path: Path) -> str:
-    """"missing", "empty", "run" (any of :data:`RUN_MARKERS`), "report" (:data:`REPORT_MARKERS`) or "other"
-    (a non-empty folder of anything else)."""
+    """"missing", "empty", "run" (any of :data:`RUN_MARKERS`), "report" (a grid point under runs/:
+    :data:`REPORT_POINT`) or "other" (a non-empty folder of anything else)."""
     if not path.exists():
         return "missing"
     try:
@@ -224,7 +225,11 @@ def folder_kind(path: Path) -> str:
         return "empty"
     if any(m in entries for m in RUN_MARKERS):
         return "run"
-    return "report" if any(m in entries for m in REPORT_MARKERS) else "other"
+    try:
+        report = "runs" in entries and any(p.is_file() for p in path.glob("/".join(REPORT_POINT)))
+    except OSError as e:
+        raise ConfigError(f"cannot list {path / 'runs'}: {e.strerror or e}") from None
+    return "report" if report else "other"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,160 @@
+"""What transformers' own model tests and tools expect of a model class, checked on ours through
+transformers' entry points: ``initializer_range`` is the σ every random draw scales with (its
+``_config_zero_init`` check), weights a checkpoint lacks are drawn as a constructed model draws them,
+``resize_token_embeddings(mean_resizing=False)`` draws new rows as the scheme does (not torch's N(0, 1)),
+packed sequences under a 4-D mask equal separate rows, ``activation_checkpointing_enable`` keeps the
+gradients, and a bad standard field is refused under the name the caller gave it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+from transformers import PreTrainedModel, set_seed
+
+import hybridnorm as hn
+from hybridnorm import ConfigError
+from hybridnorm.hf import HybridNormConfig, HybridNormForCausalLM, HybridNormModel
+
+V, D = 99, 32
+
+
+def config(**kw) -> HybridNormConfig:
+    """Built from standard fields alone, as transformers' CausalLMModelTester builds its configs."""
+    return HybridNormConfig(**{**dict(vocab_size=V, hidden_size=D, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, intermediate_size=37, max_position_embeddings=64,
+                                      pad_token_id=0), **kw})
+
+
+def trunc_std(sigma: float) -> float:
+    """The standard deviation of N(0, σ²) truncated at ±3σ."""
+    a = 3.0
+    pdf = math.exp(-a * a / 2) / math.sqrt(2 * math.pi)
+    return sigma * math.sqrt(1 - 2 * a * pdf / math.erf(a / math.sqrt(2)))
+
+
+@pytest.mark.parametrize("placement", hn.placements.names())
+def test_a_vanishing_initializer_range_leaves_every_random_weight_at_zero(placement: str) -> None:
+    """transformers' test_initialization: σ -> 1e-10 must take every random draw with it (norm gains stay 1)."""
+    model = HybridNormForCausalLM(config(placement=placement, initializer_range=1e-10))
+    for name, p in model.named_parameters():
+        mean = round(p.mean().item() * 1e9) / 1e9
+        assert mean in (0.0, 1.0), f"{name}: mean {p.mean().item()}"
+
+
+def test_initializer_range_is_the_init_sigma_and_round_trips(tmp_path: Path) -> None:
+    default = config()
+    assert default.initializer_range is None  # the scheme's own default, 1/sqrt(2.5 d)
+    assert default.model_config().std == pytest.approx(1 / math.sqrt(2.5 * D))
+    cfg = config(initializer_range=0.05, tie_word_embeddings=False, placement="pre_norm")
+    assert cfg.model_config().init_std == 0.05 and cfg.to_dict()["hybridnorm"]["init_std"] == 0.05
+    torch.manual_seed(0)
+    model = HybridNormForCausalLM(cfg)
+    for w in (model.model.embed.weight, model.model.blocks[0].attn.w_qkv.weight, model.model.lm_head.weight):
+        assert w.std().item() == pytest.approx(trunc_std(0.05), rel=0.1)
+    cfg.save_pretrained(tmp_path)
+    assert HybridNormConfig.from_pretrained(tmp_path).model_config().init_std == 0.05
+
+
+def test_an_untied_head_keeps_the_papers_sigma_under_the_megatron_scheme() -> None:
+    """HybridNorm's Table 10 draws the untied head with 1/sqrt(d) whatever σ is: a vanishing
+    initializer_range shrinks every other weight, not that one."""
+    model = HybridNormForCausalLM(config(placement="hybridnorm_star", tie_word_embeddings=False,
+                                         initializer_range=1e-10))
+    assert model.model.lm_head.weight.std().item() == pytest.approx(trunc_std(1 / math.sqrt(D)), rel=0.1)
+    assert model.model.embed.weight.abs().max().item() < 1e-9
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_resize_without_mean_resizing_draws_new_rows_as_the_scheme_does(tie: bool) -> None:
+    torch.manual_seed(0)
+    model = HybridNormForCausalLM(config(placement="pre_norm", initializer_range=0.02, tie_word_embeddings=tie))
+    old_in = model.get_input_embeddings().weight.detach().clone()
+    model.resize_token_embeddings(V + 400, mean_resizing=False)
+    new_in = model.get_input_embeddings().weight.detach()
+    assert model.config.vocab_size == V + 400 and torch.equal(new_in[:V], old_in)
+    assert new_in[V:].std().item() == pytest.approx(trunc_std(0.02), rel=0.1)  # torch's default draw: 1.0
+    if not tie:
+        head = model.get_output_embeddings().weight.detach()
+        assert head.shape[0] == V + 400 and head[V:].std().item() == pytest.approx(trunc_std(0.02), rel=0.1)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[V + 399, 3, V + 1]])).logits).all()
+
+
+@pytest.mark.parametrize("cls", [HybridNormModel, HybridNormForCausalLM])
+def test_weights_a_checkpoint_lacks_are_drawn_as_a_constructed_model_draws_them(cls, monkeypatch) -> None:
+    """transformers' test_can_init_all_missing_weights: with every module's init seeded alike, a model loaded
+    from an empty state dict (built on the meta device, then initialized) equals one constructed directly;
+    with a partial one, the given weights are kept exactly."""
+    if not hasattr(PreTrainedModel, "_initialize_weights"):
+        pytest.skip("this transformers has no PreTrainedModel._initialize_weights to seed")
+    original = PreTrainedModel._initialize_weights
+
+    def seeded(self, module, *args, **kwargs):
+        set_seed(0)
+        return original(self, module, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "_initialize_weights", seeded)
+    built = cls(config())
+    loaded = cls.from_pretrained(None, config=config(), state_dict={})
+    for (name, a), (name_b, b) in zip(built.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert name == name_b and torch.equal(a, b), name
+    torch.manual_seed(1)
+    donor = cls(config())
+    given = {k: v for k, v in donor.state_dict().items() if ".blocks.0." not in k}
+    partial = cls.from_pretrained(None, config=config(), state_dict=given)
+    state = partial.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in given.items())
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+@torch.no_grad()
+def test_packed_sequences_under_a_4d_mask_equal_separate_rows() -> None:
+    """Three sequences packed in one row, each attending only to itself, positions restarting at 0."""
+    import oracle
+
+    model = HybridNormForCausalLM(config(placement="hybridnorm_star", num_hidden_layers=3)).eval()
+    oracle.randomize_(model.model, seed=0)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(1, V, (n,), generator=g) for n in (4, 6, 3)]
+    doc = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])  # (T,) which sequence a token is in
+    T = len(doc)
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    mask = torch.zeros(1, 1, T, T).masked_fill(~allowed, torch.finfo(torch.float32).min)  # additive, as HF writes
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    packed = model(torch.cat(seqs)[None], attention_mask=mask, position_ids=pos).logits[0]
+    alone = torch.cat([model(s[None]).logits[0] for s in seqs])
+    assert (packed - alone).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_activation_checkpointing_enable_gives_the_plain_gradients(every: int) -> None:
+    if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+        pytest.skip("this transformers has no activation_checkpointing_enable")
+    torch.manual_seed(0)
+    plain = HybridNormForCausalLM(config(num_hidden_layers=4)).train()
+    ckpt = HybridNormForCausalLM(config(num_hidden_layers=4)).train()
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.activation_checkpointing_enable(every_n_layers=every)
+    ids = torch.randint(1, V, (3, 9), generator=torch.Generator().manual_seed(3))
+    plain(ids, labels=ids).loss.backward()
+    ckpt(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-7), name
+
+
+@pytest.mark.parametrize(("kwargs", "names"), [
+    ({"hidden_size": 0}, "hidden_size (model.d_model)=0 must be >= 1"),
+    ({"num_attention_heads": 3}, "num_attention_heads (model.n_heads)=3 must divide"),
+    ({"initializer_range": -1.0}, "initializer_range (model.init_std)=-1.0 must be > 0"),
+    ({"vocab_size": 0}, "model.vocab_size=0 must be >= 1"),
+    ({"hybridnorm": {"d_model": -3}}, "hidden_size (model.d_model)=-3"),
+])
+def test_a_bad_standard_field_is_refused_under_both_names(kwargs: dict, names: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        HybridNormConfig(**kwargs)
+    assert names in str(err.value)
