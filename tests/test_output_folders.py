@@ -20,12 +20,14 @@ from hybridnorm.train.preflight import RUN_MARKERS
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
 names = st.text("abcdefghijklmnopqrstuvwxyz_.-", min_size=1, max_size=10).filter(
-    lambda n: n not in RUN_MARKERS and not n.startswith(".") and n not in (".", ".."))
-# a user's files: including the names the commands write (config.yaml, tokenizer.json, config.json ...)
+    lambda n: not n.startswith(".") and n not in (".", ".."))
+# a user's files: including the names the commands write (config.yaml, tokenizer.json, config.json ...) and
+# those that mark a run or report folder, holding a user's bytes instead of what ours hold
 user_files = st.dictionaries(names | st.sampled_from(["config.yaml", "tokenizer.json", "config.json",
                                                       "model.safetensors", "README.md", "summary.md", "runs",
-                                                      "runs.json"]),
-                             st.binary(max_size=64), min_size=1, max_size=4)
+                                                      "runs.json", *RUN_MARKERS]),
+                             st.binary(max_size=64), min_size=1, max_size=4).filter(
+    lambda files: not any(files.get(m) == b"" for m in RUN_MARKERS))  # an empty marker holds nothing to lose
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +104,22 @@ def test_a_report_folder_is_recognised_by_its_grid_points_not_by_its_file_names(
     (theirs / "runs" / "pre" / "notes.txt").write_text("mine")
     (theirs / "summary.md").write_text("# my summary")
     assert_refused(_argv("compare", tmp_path, theirs, corpus, cache_dir), capsys, [str(theirs), "not empty"], root)
+
+
+@pytest.mark.parametrize("marker", RUN_MARKERS)
+def test_a_run_marker_holding_a_users_data_does_not_make_a_run_folder(tmp_path, corpus, cache_dir, capsys,
+                                                                       marker: str) -> None:
+    """``train --out`` continues a run folder and refuses a folder whose metrics.jsonl, point.json,
+    train.lock or checkpoints/ are the user's own (what they hold is not what ours hold)."""
+    root = tmp_path / "user"
+    out = root / "mine"
+    out.mkdir(parents=True)
+    if marker == "checkpoints":
+        (out / marker).mkdir()
+        (out / marker / "best.pt").write_bytes(b"weights of my own")
+    else:
+        (out / marker).write_text('{"step": 3, "loss": 2.5}\n' if marker == "metrics.jsonl" else "{}")
+    assert_refused(_argv("train", tmp_path, out, corpus, cache_dir), capsys, [str(out), "not empty"], root)
+    run = tmp_path / "run"
+    argv = _argv("train", tmp_path, run, corpus, cache_dir)
+    assert main(argv) == 0 and main([*argv, "--resume"]) == 0  # the second finds its own run folder

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.config import TrainConfig
 
@@ -205,8 +207,14 @@ def check_writable_dir(path: str | Path, what: str = "output folder") -> Path:
 
 
 # What makes a folder a run folder: what only the trainer, ``import`` or a grid write (the lock from the
-# trainer's first moment on). Not config.yaml: users keep their own configs under that name.
+# trainer's first moment on), recognised by what it holds as well as by its name (:func:`_written_by_us`):
+# a user's own metrics.jsonl or train.lock is theirs to keep. Not config.yaml: users keep their own configs
+# under that name.
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "point.json", "train.lock")
+# the keys of the JSON object each marker file holds (metrics.jsonl: on its first line, the run's meta record)
+_MARKER_KEYS = {"metrics.jsonl": ("kind", "step"), "point.json": ("point", "config"),
+                "train.lock": ("pid", "host", "since")}
+_STEP_DIR = re.compile(r"^step_\d+$")
 # ... and a report folder of `compare`/`sweep`: a runs/ folder holding a grid point (runs/NAME/point.json, the
 # first thing a grid writes). A summary.md or a `runs` entry alone is anybody's: a report would overwrite it.
 REPORT_POINT = ("runs", "*", "point.json")
@@ -223,13 +231,33 @@ def folder_kind(path: Path) -> str:
         raise ConfigError(f"cannot list {path}: {e.strerror or e}") from None
     if not entries:
         return "empty"
-    if any(m in entries for m in RUN_MARKERS):
+    if any(_written_by_us(path / m) for m in RUN_MARKERS if m in entries):
         return "run"
     try:
         report = "runs" in entries and any(p.is_file() for p in path.glob("/".join(REPORT_POINT)))
     except OSError as e:
         raise ConfigError(f"cannot list {path / 'runs'}: {e.strerror or e}") from None
     return "report" if report else "other"
+
+
+def _written_by_us(marker: Path) -> bool:
+    """``checkpoints``: a folder holding a ``step_<N>`` folder; a marker file: the JSON object it holds has
+    the keys ours have. Empty, either may be ours (a trainer stopped between creating and writing it) and
+    holds nothing to lose. Anything unreadable is not ours."""
+    try:
+        if marker.name == "checkpoints":
+            held = list(marker.iterdir()) if marker.is_dir() else None
+            return held is not None and (not held or any(_STEP_DIR.match(p.name) and p.is_dir() for p in held))
+        if not marker.is_file():
+            return False
+        if marker.stat().st_size == 0:
+            return True
+        with open(marker, "rb") as f:
+            text = f.readline(1 << 20) if marker.name == "metrics.jsonl" else f.read(1 << 20)
+        value = plain_data.loads(text)
+    except (OSError, ValueError):
+        return False
+    return isinstance(value, dict) and all(k in value for k in _MARKER_KEYS[marker.name])
 
 
 @contextlib.contextmanager
