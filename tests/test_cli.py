@@ -266,6 +266,22 @@ def test_eval_of_a_single_checkpoint_and_fallback_past_a_corrupt_one(run, tmp_pa
     assert "step_000002: val loss" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["eval", "generate", "export"])
+def test_a_run_whose_every_checkpoint_is_corrupt_is_one_error_line_naming_the_newest_file(run, tmp_path, capsys,
+                                                                                          command):
+    bad = _corrupt_step4(run, tmp_path)
+    older = bad.parent / "step_000002" / "optimizer.safetensors"
+    older.write_bytes(older.read_bytes()[:-7])
+    argv = {"eval": ["eval", str(bad.parent.parent), "--batches", "1"],
+            "generate": ["generate", str(bad.parent.parent), "--max-new-tokens=2"],
+            "export": ["export", str(bad.parent.parent), "--to", "hf", str(tmp_path / "hf")]}[command]
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    assert "2 found, none verifies" in err[0] and str(bad / "model.safetensors") in err[0]
+
+
 def test_resume_through_the_cli_continues_the_run(run, work, tmp_path, capsys, monkeypatch):
     import hybridnorm.train.trainer as trainer
 

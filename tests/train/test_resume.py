@@ -78,3 +78,26 @@ def test_purge_on_resume_drops_later_records_and_torn_lines_but_keeps_what_it_ca
     log.write_text("\n".join(lines))  # the last line torn, no final newline
     _purge_after(log, 3)
     assert log.read_text().splitlines() == [lines[0], lines[2], lines[3], lines[4], lines[5]]
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_starting_over_sets_its_old_history_aside(make_cfg, tmp_path, resume):
+    """A run killed before its first checkpoint leaves a metrics.jsonl and TensorBoard events and no
+    checkpoint; trained again (with or without --resume) it starts at step 0 with one history in each: the
+    old log is kept as metrics.stale.jsonl (then .2, ...), never appended to."""
+    import shutil
+
+    from torchrun_helpers import tensorboard_steps
+
+    run = tmp_path / "run"
+    cfg = make_cfg(run, "--max_steps=3")
+    train(cfg)
+    old = (run / "metrics.jsonl").read_text()
+    for _ in range(2):
+        shutil.rmtree(run / "checkpoints")  # as if killed before saving
+        train(cfg, resume=resume)
+        assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+        assert len(read_metrics(run, "meta")) == 1
+        assert tensorboard_steps(run, "train/loss") == [1, 2, 3]
+    assert (run / "metrics.stale.jsonl").read_text() == old
+    assert (run / "metrics.stale.2.jsonl").is_file()

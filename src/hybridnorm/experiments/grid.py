@@ -185,16 +185,12 @@ def train_point(run_dir: Path) -> str:
     """Train one prepared point in this process: ``"done"`` (finished, or stopped by the non-finite guard),
     ``"interrupted"`` (a signal) or ``"paused"`` (the config's own stop_after_steps / max_minutes); a run
     that is not done has its checkpoint saved and the next call continues it."""
-    from hybridnorm.train.checkpoint import list_checkpoints
     from hybridnorm.train.trainer import train
 
     path = run_dir / "point.json"
     cfg = dataclasses.replace(TrainConfig.from_dict(read_point(path)["config"]), out_dir=str(run_dir))  # wherever it is
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and not list_checkpoints(run_dir / "checkpoints"):
-        # an unfinished run whose checkpoints are gone (e.g. a grid folder committed without them) restarts
-        # from step 0: set its old log aside instead of appending a second history to it
-        metrics.replace(run_dir / "metrics.stale.jsonl")
+    # an unfinished run whose checkpoints are gone (e.g. a grid folder committed without them) restarts from
+    # step 0, and the trainer sets its old log aside as metrics.stale.jsonl
     result = train(cfg, resume=True, quiet=True)
     if result.interrupted:
         return "interrupted"

@@ -35,6 +35,8 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         if start_step:  # a resumed run re-logs the steps after its checkpoint (as purge_step does for TB)
             _purge_after(run_dir / "metrics.jsonl", start_step)
+        else:  # a run starting over (killed before its first checkpoint): its old history is kept apart
+            _set_aside(run_dir / "metrics.jsonl")
         self.jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
         if tensorboard:
@@ -43,7 +45,7 @@ class MetricsLogger:
 
                 # purge what a killed run logged PAST its checkpoint (step start_step + 1 on), as _purge_after
                 # does for metrics.jsonl; purge_step=start_step also dropped the checkpoint step's own points
-                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
             except ImportError:
                 self.console.print("[yellow]tensorboard is not installed: metrics go to metrics.jsonl only")
         self.live = self.console.is_terminal
@@ -91,6 +93,17 @@ class MetricsLogger:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _set_aside(path: Path) -> None:
+    """Rename a non-empty ``metrics.jsonl`` to ``metrics.stale.jsonl`` (``metrics.stale.2.jsonl``, ... when
+    that is taken), so that a run starting over from step 0 never appends a second history to the first."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    n = 1
+    while (stale := path.with_name(f"metrics.stale{'' if n == 1 else f'.{n}'}.jsonl")).exists():
+        n += 1
+    path.replace(stale)
 
 
 def _purge_after(path: Path, step: int) -> None:

@@ -7,13 +7,20 @@ each other.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridnorm.data import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_weights
+from hybridnorm.train.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    load_weights,
+)
 from hybridnorm.train.config import TrainConfig
 
 
@@ -42,11 +49,16 @@ def open_run(path: str | Path) -> Run:
         ckpt, run_dir = path, path.parent.parent
     else:
         run_dir = path
-        ckpt = latest_checkpoint(path / "checkpoints")
+        with warnings.catch_warnings(record=True) as skipped:  # said once below: in the error, or again
+            warnings.simplefilter("always")
+            ckpt = latest_checkpoint(path / "checkpoints")
         if ckpt is None:
             found = list_checkpoints(path / "checkpoints")
             raise CheckpointError(f"{path} has no usable checkpoint" + (
-                f" ({len(found)} found, none verifies)" if found else " (no checkpoints/step_* folder)"))
+                f" ({len(found)} found, none verifies; the newest: {_problem(found[-1])})" if found
+                else " (no checkpoints/step_* folder)"))
+        for w in skipped:  # a good checkpoint older than corrupt ones: which were skipped is worth a warning
+            warnings.warn(w.message, stacklevel=2)
     cfg = TrainConfig.load(run_dir / "config.yaml")
     tokenizer = load_tokenizer(run_dir / "tokenizer.json")
     if tokenizer.vocab_size != cfg.model.vocab_size:  # training and import both make them equal
@@ -57,3 +69,11 @@ def open_run(path: str | Path) -> Run:
     load_weights(ckpt, model)  # names, shapes, header dtypes and finiteness checked before anything loads
     model.eval()
     return Run(run_dir, ckpt, cfg, model, tokenizer)
+
+
+def _problem(ckpt: Path) -> str:
+    try:
+        check_checkpoint(ckpt)
+    except CheckpointError as e:
+        return str(e)
+    return "it verifies now (changed while it was read)"
