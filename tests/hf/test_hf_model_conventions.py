@@ -158,3 +158,43 @@ def test_a_bad_standard_field_is_refused_under_both_names(kwargs: dict, names: s
     with pytest.raises(ConfigError) as err:
         HybridNormConfig(**kwargs)
     assert names in str(err.value)
+
+
+def test_moe_from_standard_fields_equals_moe_from_a_model_config(tmp_path: Path) -> None:
+    """OLMoE's / Qwen-MoE's field names build the same MoE model as ModelConfig.moe, round-trip through
+    config.json, and its loss carries the router losses."""
+    from hybridnorm import ModelConfig
+    from hybridnorm.config import MoEConfig
+
+    cfg = config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, norm_topk_prob=True,
+                 router_aux_loss_coef=0.02, router_z_loss_coef=0.0)
+    want = MoEConfig(num_experts=4, top_k=2, expert_hidden_size=12, normalize_topk=True, lb_loss_weight=0.02,
+                     z_loss_weight=0.0)
+    assert cfg.model_config().moe == want
+    mc = ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden_size=37, max_seq_len=64,
+                     moe=want)
+    torch.manual_seed(0)
+    ours = HybridNormForCausalLM(cfg).eval()
+    theirs = HybridNormForCausalLM(HybridNormConfig.from_model_config(mc)).eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(1, V, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a, b = ours(ids, labels=ids), theirs(ids, labels=ids)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+    cfg.save_pretrained(tmp_path)
+    back = HybridNormConfig.from_pretrained(tmp_path)
+    assert back.model_config().moe == want and (back.num_experts, back.num_experts_per_tok) == (4, 2)
+    dense = config()
+    assert dense.num_experts is None and dense.model_config().moe is None
+
+
+@pytest.mark.parametrize(("kwargs", "names"), [
+    ({"num_experts_per_tok": 2}, "num_experts_per_tok given for a dense model: set num_experts"),
+    ({"num_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok (model.moe.top_k)=3 must be <="),
+    ({"num_experts": 2, "num_experts_per_tok": 1, "router_aux_loss_coef": -1.0},
+     "router_aux_loss_coef (model.moe.lb_loss_weight)=-1.0 must be >= 0"),
+])
+def test_bad_moe_fields_are_refused_by_name_never_built_dense(kwargs: dict, names: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config(**kwargs)
+    assert names in str(err.value)

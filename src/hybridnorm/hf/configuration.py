@@ -29,7 +29,12 @@ _STANDARD_FIELDS = {"hidden_size": "d_model", "intermediate_size": "ffn_hidden_s
                     "num_key_value_heads": "n_kv_heads", "head_dim": "attn_head_dim",
                     "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
                     "initializer_range": "init_std"}
-_HF_NAME = {name: hf_name for hf_name, name in _STANDARD_FIELDS.items() if hf_name != name}
+# ... and the MoE FFN's, under OLMoE's / Qwen-MoE's names (None on a dense model): ModelConfig.moe's fields
+_MOE_FIELDS = {"num_experts": "num_experts", "num_experts_per_tok": "top_k",
+               "moe_intermediate_size": "expert_hidden_size", "norm_topk_prob": "normalize_topk",
+               "router_aux_loss_coef": "lb_loss_weight", "router_z_loss_coef": "z_loss_weight"}
+_HF_NAME = {name: hf_name for hf_name, name in _STANDARD_FIELDS.items() if hf_name != name} | {
+    f"moe.{name}": hf_name for hf_name, name in _MOE_FIELDS.items()}
 
 
 class HybridNormConfig(PretrainedConfig):
@@ -37,7 +42,7 @@ class HybridNormConfig(PretrainedConfig):
     size fields and ``tie_word_embeddings``, where given, override it. ``placement`` names a preset or
     grammar name for a config built from standard fields alone (``HybridNormConfig(hidden_size=64, ...,
     placement="hybridnorm_star")``); a config with a ``hybridnorm`` dict keeps the dict's placement and
-    shows its name here."""
+    shows its name here. ``num_experts`` (with ``num_experts_per_tok``, ...) makes the FFN an MoE."""
 
     model_type = MODEL_TYPE
     keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "cache"]
@@ -54,6 +59,12 @@ class HybridNormConfig(PretrainedConfig):
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
     initializer_range: float | None = None
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool | None = None
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float | None = None
     placement: str | None = None
     attention_dropout: float = 0.0
     use_cache: bool = True
@@ -85,13 +96,20 @@ class HybridNormConfig(PretrainedConfig):
         for hf_name, name in _STANDARD_FIELDS.items():
             if getattr(self, hf_name, None) is not None:
                 d[name] = getattr(self, hf_name)
+        moe = {name: getattr(self, hf_name) for hf_name, name in _MOE_FIELDS.items()
+               if getattr(self, hf_name, None) is not None}
+        if moe and not d.get("moe") and "num_experts" not in moe:  # never a silent dense model, nor 64 experts
+            raise ConfigError(f"{', '.join(k for k in _MOE_FIELDS if getattr(self, k, None) is not None)} given "
+                              "for a dense model: set num_experts too (the number of experts) for an MoE FFN")
+        if moe:
+            d["moe"] = {**(d.get("moe") or {}), **moe}
         try:
             mc = ModelConfig.from_dict(d)
             if self.vocab_size is not None and self.vocab_size != mc.embedding_size:
                 # HF's vocab_size counts embedding rows (resize_token_embeddings sets it): no padding on top
                 mc = ModelConfig.from_dict({**d, "vocab_size": self.vocab_size, "pad_vocab_multiple": 1})
         except ConfigError as e:  # name the field as the caller of this class spelled it, too
-            raise ConfigError(re.sub(r"\bmodel\.(\w+)", _both_names, str(e))) from None
+            raise ConfigError(re.sub(r"\bmodel\.((?:moe\.)?\w+)", _both_names, str(e))) from None
         mc.placement = mc.resolved_placement().to_dict()
         return mc
 
@@ -106,6 +124,8 @@ class HybridNormConfig(PretrainedConfig):
         self.max_position_embeddings = mc.max_seq_len
         self.rms_norm_eps, self.rope_theta = mc.norm_eps, mc.rope_theta
         self.initializer_range = mc.init_std
+        for hf_name, name in _MOE_FIELDS.items():
+            setattr(self, hf_name, getattr(mc.moe, name) if mc.moe is not None else None)
         self.placement = mc.resolved_placement().name
         self.tie_word_embeddings = mc.tie_embeddings
 
@@ -119,7 +139,8 @@ class HybridNormConfig(PretrainedConfig):
 
 
 def _both_names(m: re.Match) -> str:
-    """``model.d_model`` -> ``hidden_size (model.d_model)`` for a field with a standard name."""
+    """``model.d_model`` -> ``hidden_size (model.d_model)`` for a field with a standard name (also
+    ``model.moe.top_k`` -> ``num_experts_per_tok (model.moe.top_k)``)."""
     return f"{_HF_NAME[m[1]]} ({m[0]})" if m[1] in _HF_NAME else m[0]
 
 
