@@ -10,11 +10,10 @@ import argparse
 import math
 import os
 import sys
-import typing
 import warnings
 
 from hybridnorm.config_base import is_utf8, parse_text
-from hybridnorm.errors import CollectiveError, ConfigError
+from hybridnorm.errors import CollectiveError, ConfigError, OneLineArgumentParser
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
@@ -203,14 +202,6 @@ def _placements(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are a ConfigError: one ``error:`` line and exit 2 like all bad input
-    (argparse's own error() prints the usage block too, and exits from inside the parse)."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.train.plan import PlanOptions, format_plan, plan
 
@@ -220,7 +211,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="hybridnorm", description="Normalization placements for decoder-only LMs.")
+    ap = OneLineArgumentParser(prog="hybridnorm", description="Normalization placements for decoder-only LMs.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     # --debug is accepted after the command too (`hybridnorm train --debug`); SUPPRESS keeps the
     # subcommand from resetting a --debug given before it.

@@ -16,7 +16,6 @@ gradients takes ~5 GB in fp32.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -32,7 +31,7 @@ import torch
 from hybridnorm import plain_data
 from hybridnorm.data.prepare import prepare_data
 from hybridnorm.diagnostics.groups import group_params
-from hybridnorm.errors import ConfigError
+from hybridnorm.errors import ConfigError, OneLineArgumentParser
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.config import TrainConfig
 
@@ -130,7 +129,7 @@ def run(out: Path, sizes: Sequence[str], placements: Sequence[str], inits: Seque
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hybridnorm gradprofile", description=__doc__.split("\n\n")[0])
+    ap = OneLineArgumentParser(prog="hybridnorm gradprofile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON file (resumed when it exists)")
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
@@ -138,12 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=512)
-    a = ap.parse_args(argv)
     try:
-        seeds = [int(s) for s in a.seeds.split(",")]
-    except ValueError:
-        ap.error(f"--seeds: comma-separated integers, got {a.seeds!r}")
-    try:
+        a = ap.parse_args(argv)
+        try:
+            seeds = [int(s) for s in a.seeds.split(",")]
+        except ValueError:
+            ap.error(f"--seeds: comma-separated integers, got {a.seeds!r}")
         run(a.out, a.sizes.split(","), a.placements.split(","), a.inits.split(","), seeds, a.batch_size, a.seq_len)
     except (ConfigError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
