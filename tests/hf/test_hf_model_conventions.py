@@ -153,6 +153,8 @@ def test_activation_checkpointing_enable_gives_the_plain_gradients(every: int) -
     ({"initializer_range": -1.0}, "initializer_range (model.init_std)=-1.0 must be > 0"),
     ({"vocab_size": 0}, "model.vocab_size=0 must be >= 1"),
     ({"hybridnorm": {"d_model": -3}}, "hidden_size (model.d_model)=-3"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings (model.tie_embeddings)='yes' must be true or false"),
+    ({"hybridnorm": "pre", "tie_word_embeddings": True}, "hybridnorm must be a dict of hybridnorm.ModelConfig"),
 ])
 def test_a_bad_standard_field_is_refused_under_both_names(kwargs: dict, names: str) -> None:
     with pytest.raises(ConfigError) as err:

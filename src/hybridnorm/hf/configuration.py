@@ -34,7 +34,7 @@ _MOE_FIELDS = {"num_experts": "num_experts", "num_experts_per_tok": "top_k",
                "moe_intermediate_size": "expert_hidden_size", "norm_topk_prob": "normalize_topk",
                "router_aux_loss_coef": "lb_loss_weight", "router_z_loss_coef": "z_loss_weight"}
 _HF_NAME = {name: hf_name for hf_name, name in _STANDARD_FIELDS.items() if hf_name != name} | {
-    f"moe.{name}": hf_name for hf_name, name in _MOE_FIELDS.items()}
+    f"moe.{name}": hf_name for hf_name, name in _MOE_FIELDS.items()} | {"tie_embeddings": "tie_word_embeddings"}
 
 
 class HybridNormConfig(PretrainedConfig):
@@ -76,7 +76,7 @@ class HybridNormConfig(PretrainedConfig):
     pad_token_id: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
-        if self.hybridnorm and self.tie_word_embeddings is not None \
+        if isinstance(self.hybridnorm, dict) and self.hybridnorm and self.tie_word_embeddings is not None \
                 and self.tie_word_embeddings != self.hybridnorm.get("tie_embeddings", ModelConfig.tie_embeddings):
             # config.json of exports before 2026-11 always said false (that class never let transformers tie):
             # where the two disagree on reading, the dict, which built the weights, is the truth
@@ -87,6 +87,9 @@ class HybridNormConfig(PretrainedConfig):
     def model_config(self) -> ModelConfig:
         """The ModelConfig this config describes: the ``hybridnorm`` dict with the standard size fields
         applied, the placement resolved to a dict (self-contained). Raises ConfigError naming a bad field."""
+        if self.hybridnorm is not None and not isinstance(self.hybridnorm, dict):
+            raise ConfigError(f"hybridnorm must be a dict of hybridnorm.ModelConfig fields (model.*), got "
+                              f"{type(self.hybridnorm).__name__}")
         if self.hybridnorm:
             d = dict(self.hybridnorm)
         else:  # built from the standard fields alone: the ModelConfig defaults fill the rest
