@@ -7,20 +7,13 @@ each other.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridnorm.data import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.train.checkpoint import (
-    CheckpointError,
-    check_checkpoint,
-    latest_checkpoint,
-    list_checkpoints,
-    load_weights,
-)
+from hybridnorm.train.checkpoint import CheckpointError, latest_checkpoint, load_weights
 from hybridnorm.train.config import TrainConfig
 
 
@@ -49,16 +42,12 @@ def open_run(path: str | Path) -> Run:
         ckpt, run_dir = path, path.parent.parent
     else:
         run_dir = path
-        with warnings.catch_warnings(record=True) as skipped:  # said once below: in the error, or again
-            warnings.simplefilter("always")
-            ckpt = latest_checkpoint(path / "checkpoints")
+        bad: list[str] = []  # with none good, each one's problem (newest first) for the error instead of warnings
+        ckpt = latest_checkpoint(path / "checkpoints", why_none=bad)
         if ckpt is None:
-            found = list_checkpoints(path / "checkpoints")
             raise CheckpointError(f"{path} has no usable checkpoint" + (
-                f" ({len(found)} found, none verifies; the newest: {_problem(found[-1])})" if found
+                f" ({len(bad)} found, none verifies; the newest: {bad[0]})" if bad
                 else " (no checkpoints/step_* folder)"))
-        for w in skipped:  # a good checkpoint older than corrupt ones: which were skipped is worth a warning
-            warnings.warn(w.message, stacklevel=2)
     cfg = TrainConfig.load(run_dir / "config.yaml")
     tokenizer = load_tokenizer(run_dir / "tokenizer.json")
     if tokenizer.vocab_size != cfg.model.vocab_size:  # training and import both make them equal
@@ -70,10 +59,3 @@ def open_run(path: str | Path) -> Run:
     model.eval()
     return Run(run_dir, ckpt, cfg, model, tokenizer)
 
-
-def _problem(ckpt: Path) -> str:
-    try:
-        check_checkpoint(ckpt)
-    except CheckpointError as e:
-        return str(e)
-    return "it verifies now (changed while it was read)"

@@ -328,13 +328,22 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
+def latest_checkpoint(ckpt_root: str | Path, *, why_none: list[str] | None = None) -> Path | None:
     """The newest checkpoint that passes :func:`check_checkpoint`; corrupt newer ones are skipped with a
-    warning (and left where they are: this only reads)."""
+    warning (and left where they are: this only reads). With ``why_none``, a caller that makes no good
+    checkpoint an error gets each one's problem there (newest first) instead of the warnings."""
+    problems, good = [], None
     for path in reversed(list_checkpoints(ckpt_root)):
         try:
             check_checkpoint(path)
-            return path
         except CheckpointError as e:
-            warnings.warn(f"skipping bad checkpoint: {e}", stacklevel=2)
-    return None
+            problems.append(str(e))
+            continue
+        good = path
+        break
+    if good is None and why_none is not None:
+        why_none.extend(problems)
+    else:
+        for problem in problems:
+            warnings.warn(f"skipping bad checkpoint: {problem}", stacklevel=2)
+    return good
