@@ -99,13 +99,12 @@ class HybridNormConfig(PretrainedConfig):
         for hf_name, name in _STANDARD_FIELDS.items():
             if getattr(self, hf_name, None) is not None:
                 d[name] = getattr(self, hf_name)
-        moe = {name: getattr(self, hf_name) for hf_name, name in _MOE_FIELDS.items()
-               if getattr(self, hf_name, None) is not None}
-        if moe and not d.get("moe") and "num_experts" not in moe:  # never a silent dense model, nor 64 experts
-            raise ConfigError(f"{', '.join(k for k in _MOE_FIELDS if getattr(self, k, None) is not None)} given "
-                              "for a dense model: set num_experts too (the number of experts) for an MoE FFN")
-        if moe:
-            d["moe"] = {**(d.get("moe") or {}), **moe}
+        given = {hf_name: getattr(self, hf_name) for hf_name in _MOE_FIELDS if getattr(self, hf_name, None) is not None}
+        if given and not d.get("moe") and "num_experts" not in given:  # never a silent dense model, nor 64 experts
+            raise ConfigError(f"{', '.join(given)} given for a dense model: set num_experts too (the number of "
+                              "experts) for an MoE FFN")
+        if given:
+            d["moe"] = {**(d.get("moe") or {}), **{_MOE_FIELDS[k]: v for k, v in given.items()}}
         try:
             mc = ModelConfig.from_dict(d)
             if self.vocab_size is not None and self.vocab_size != mc.embedding_size:
