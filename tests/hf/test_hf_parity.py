@@ -82,8 +82,10 @@ def test_inputs_embeds_positions_and_logits_to_keep() -> None:
     hf = hf_model("hybridnorm", tie_embeddings=False)
     full = hf(IDS).logits
     assert torch.equal(hf(inputs_embeds=hf.get_input_embeddings()(IDS)).logits, full)
-    assert torch.equal(hf(IDS, logits_to_keep=3).logits, full[:, -3:])
-    assert torch.equal(hf(IDS, logits_to_keep=torch.tensor([0, 5])).logits, full[:, [0, 5]])
+    # the head on fewer rows: a GEMM of another shape, which some CPUs' BLAS blocks differently (measured
+    # 4.8e-7 on an AMD EPYC), so equal to float rounding rather than bitwise
+    assert (hf(IDS, logits_to_keep=3).logits - full[:, -3:]).abs().max() < 1e-5
+    assert (hf(IDS, logits_to_keep=torch.tensor([0, 5])).logits - full[:, [0, 5]]).abs().max() < 1e-5
     shifted = hf(IDS, position_ids=torch.arange(4, 15)[None]).logits  # RoPE is relative: same attention
     assert (shifted - full).abs().max() < 1e-4
     with pytest.raises(ValueError, match="exactly one"):
