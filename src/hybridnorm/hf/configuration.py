@@ -65,6 +65,8 @@ class HybridNormConfig(PretrainedConfig):
     norm_topk_prob: bool | None = None
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float | None = None
+    # as Mixtral's / OLMoE's: forward returns each layer's router logits and the load-balancing loss (MoE only)
+    output_router_logits: bool = False
     placement: str | None = None
     attention_dropout: float = 0.0
     use_cache: bool = True

@@ -27,7 +27,12 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
+)
 
 from hybridnorm.hf.attention import CacheView, HFKernel
 from hybridnorm.hf.compat import CACHE_FIELD, causal_mask, with_cache
@@ -36,6 +41,7 @@ from hybridnorm.hf.loss import causal_lm_loss
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import head_std, trunc_normal
 from hybridnorm.nn.model import TransformerLM
+from hybridnorm.nn.moe import MoEFFN, mean_router_losses, router_losses
 
 __all__ = ["MODEL_TYPE", "HybridNormConfig", "HybridNormForCausalLM", "HybridNormModel", "register"]
 
@@ -100,8 +106,10 @@ class HybridNormPreTrainedModel(PreTrainedModel):
 
     def _decode(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
                 cache: Any, inputs_embeds: Tensor | None, use_cache: bool | None, output_attentions: bool | None,
-                output_hidden_states: bool | None) -> BaseModelOutputWithPast:
-        """The final-normed hidden states (B, T, d), with the cache and what the flags ask to record."""
+                output_hidden_states: bool | None, record_router: bool = False) -> BaseModelOutputWithPast:
+        """The final-normed hidden states (B, T, d), with the cache and what the flags ask to record;
+        ``record_router`` on an MoE: a ``MoeModelOutputWithPast`` whose ``router_logits`` holds each layer's
+        router logits (B*T, E) fp32, as Mixtral's / OLMoE's do."""
         cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -124,22 +132,49 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         mask = causal_mask(cfg, x, attention_mask, cache, position_ids)  # None, or (B, 1, T, S)
         cos, sin = lm.rope_cos[position_ids], lm.rope_sin[position_ids]  # (B or 1, T, D/2)
         kernels = [b.attn.inner for b in lm.blocks]
+        routers = [b.ffn for b in lm.blocks if isinstance(b.ffn, MoEFFN)]
         attentions: list[Tensor] | None = [] if output_attentions else None
         hidden: list[Tensor] | None = [] if output_hidden_states else None
+        router: list[Tensor] | None = [] if record_router and routers else None
         for k in kernels:
             k.record = attentions
+        for r in routers:
+            r.record = router
         try:
             x = lm.trunk(x, cos, sin, CacheView(cache) if cache is not None else None, mask, hidden)  # (B, T, d)
         finally:
-            for k in kernels:
-                k.record = None
+            for m in kernels + routers:
+                m.record = None
         if hidden is not None:
             hidden.append(x)  # as in transformers: the last entry is the final-normed output
         if attentions is not None:  # only the eager backend computes the weights (as in transformers: none else)
             attentions = [w for w in attentions if w is not None]
-        return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=tuple(hidden) if hidden is not None else None,
-                                       attentions=tuple(attentions) if attentions is not None else None,
-                                       **with_cache(cache))
+        fields = dict(last_hidden_state=x, hidden_states=tuple(hidden) if hidden is not None else None,
+                      attentions=tuple(attentions) if attentions is not None else None, **with_cache(cache))
+        if router is not None:
+            return MoeModelOutputWithPast(**fields, router_logits=tuple(router))
+        return BaseModelOutputWithPast(**fields)
+
+    def _router_flag(self, output_router_logits: bool | None) -> bool:
+        """Whether to return router logits: the argument, else the config's flag; only an MoE has them."""
+        flag = self.config.output_router_logits if output_router_logits is None else output_router_logits
+        return bool(flag) and self.model.is_moe
+
+    def _router_losses(self, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None) -> dict[str, Tensor]:
+        """The MoE router losses of one forward from its ``router_logits`` (each (B*T, E)), counting only the
+        real tokens of a 2-D padding ``attention_mask`` (B, S) (its last T columns; as Mixtral's
+        ``load_balancing_loss_func`` does); without one, every token, which gives the training loop's numbers.
+        Returns ``lb_loss``, ``z_loss`` (layer means, unweighted) and ``aux_loss``, their weighted sum."""
+        moe = self.model.config.moe
+        weight = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            T = router_logits[0].shape[0] // attention_mask.shape[0]  # the new tokens: the mask's last T columns
+            weight = attention_mask[:, attention_mask.shape[1] - T:].reshape(-1)  # (B*T,)
+        per_layer = []
+        for logits in router_logits:  # (B*T, E): the same softmax and top-k that routed the tokens
+            probs = logits.softmax(dim=-1)
+            per_layer.append(router_losses(logits, probs, probs.topk(moe.top_k, dim=-1).indices, weight))
+        return mean_router_losses(per_layer, moe)
 
 
 def _default_positions(T: int, attention_mask: Tensor | None, cache: Any, device: torch.device) -> Tensor:
@@ -169,9 +204,9 @@ class HybridNormModel(HybridNormPreTrainedModel):
                 position_ids: Tensor | None = None, cache: Any = None, inputs_embeds: Tensor | None = None,
                 use_cache: bool | None = None, output_attentions: bool | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None,
-                **kwargs: Any) -> BaseModelOutputWithPast | tuple:
+                output_router_logits: bool | None = None, **kwargs: Any) -> BaseModelOutputWithPast | tuple:
         out = self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
-                           use_cache, output_attentions, output_hidden_states)
+                           use_cache, output_attentions, output_hidden_states, self._router_flag(output_router_logits))
         return out if _return_dict(self.config, return_dict) else out.to_tuple()
 
 
@@ -192,23 +227,33 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
                 position_ids: Tensor | None = None, cache: Any = None, inputs_embeds: Tensor | None = None,
                 labels: Tensor | None = None, use_cache: bool | None = None, output_attentions: bool | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None,
-                logits_to_keep: int | Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast | tuple:
+                logits_to_keep: int | Tensor = 0, output_router_logits: bool | None = None,
+                **kwargs: Any) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast | tuple:
+        want_router = self._router_flag(output_router_logits)
+        wants_loss = labels is not None or kwargs.get("shift_labels") is not None
         out = self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
-                           use_cache, output_attentions, output_hidden_states)
+                           use_cache, output_attentions, output_hidden_states,
+                           want_router or (wants_loss and self.model.is_moe))
         x = out.last_hidden_state  # (B, T, d)
         if isinstance(logits_to_keep, int):
             x = x[:, -logits_to_keep:] if logits_to_keep > 0 else x
         else:
             x = x[:, logits_to_keep]
         logits = self.model.head(x)  # (B, T', V)
+        router = self._router_losses(out.router_logits, attention_mask) \
+            if isinstance(out, MoeModelOutputWithPast) else None
         loss = None
-        if labels is not None or kwargs.get("shift_labels") is not None:
+        if wants_loss:
             loss, scored = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch"), kwargs.get("shift_labels"))
-            if self.model.is_moe:
+            if router is not None:
                 share = scored / kwargs["num_items_in_batch"] if kwargs.get("num_items_in_batch") is not None else 1.0
-                loss = loss + self.model.aux_losses()["aux_loss"] * share
-        result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                        attentions=out.attentions, **with_cache(getattr(out, CACHE_FIELD)))
+                loss = loss + router["aux_loss"] * share
+        fields = dict(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
+                      **with_cache(getattr(out, CACHE_FIELD)))
+        if want_router:  # as Mixtral's: aux_loss is the load-balancing loss that router_aux_loss_coef weights
+            result = MoeCausalLMOutputWithPast(**fields, aux_loss=router["lb_loss"], router_logits=out.router_logits)
+        else:
+            result = CausalLMOutputWithPast(**fields)
         return result if _return_dict(self.config, return_dict) else result.to_tuple()
 
 

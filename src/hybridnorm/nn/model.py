@@ -19,6 +19,7 @@ from hybridnorm.nn import kernels
 from hybridnorm.nn.attention import KVCache, has_hooks
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import init_weights
+from hybridnorm.nn.moe import mean_router_losses
 from hybridnorm.nn.norms import build_norm
 from hybridnorm.nn.rope import rope_tables
 
@@ -144,11 +145,7 @@ class TransformerLM(nn.Module):
         ``aux_loss`` (weights ``moe.lb_loss_weight``, ``moe.z_loss_weight``) to add to the LM loss."""
         if not self.is_moe:
             return {}
-        per_layer = [b.ffn.aux_losses for b in self.blocks]
-        lb = torch.stack([a["lb_loss"] for a in per_layer]).mean()
-        z = torch.stack([a["z_loss"] for a in per_layer]).mean()
-        moe = self.config.moe
-        return {"lb_loss": lb, "z_loss": z, "aux_loss": moe.lb_loss_weight * lb + moe.z_loss_weight * z}
+        return mean_router_losses([b.ffn.aux_losses for b in self.blocks], self.config.moe)
 
     def num_params(self, *, active: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameter count; ``active`` counts only top_k/num_experts of the expert weights (MoE)."""

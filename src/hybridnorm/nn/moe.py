@@ -23,7 +23,8 @@ Auxiliary losses (unweighted; the model multiplies by cfg.lb_loss_weight / cfg.z
     z_loss  = mean_n logsumexp(z_n)^2
 
 lb_loss is 1 under perfectly balanced routing and grows up to E when one expert takes everything (Switch /
-OLMoE). z_loss keeps router logits small so the fp32 softmax stays well conditioned (ST-MoE).
+OLMoE). z_loss keeps router logits small so the fp32 softmax stays well conditioned (ST-MoE). Both are
+:func:`router_losses`; with a padding mask (the HF wrapper's batches) the means run over real tokens only.
 """
 
 from __future__ import annotations
@@ -51,6 +52,34 @@ def _grouped_mm_ok(a: Tensor, w: Tensor) -> bool:
     return False
 
 
+def router_losses(logits: Tensor, probs: Tensor, top_e: Tensor, weight: Tensor | None = None) -> dict[str, Tensor]:
+    """One layer's unweighted aux losses (module docstring) from its router logits (N, E) fp32, their softmax
+    ``probs`` (N, E) and the experts each token chose, ``top_e`` (N, k). ``weight`` (N,) counts token n
+    weight[n] times in every mean (a padding mask: 1 for a real token, 0 for padding); None counts each
+    token once (training, where every token is real), with the same numbers as a mask of ones up to rounding."""
+    n_tok, n_exp = probs.shape
+    k = top_e.shape[-1]
+    flat_e = top_e.reshape(-1)  # (N*k,)
+    z_sq = torch.logsumexp(logits, dim=-1).square()  # (N,)
+    if weight is None:
+        counts = probs.new_zeros(n_exp).index_add_(0, flat_e, probs.new_ones(flat_e.shape))  # (E,)
+        frac, mean_p, z = counts / (n_tok * k), probs.mean(dim=0), z_sq.mean()  # f_i, P_i
+    else:  # the same sums, each token weighted (no boolean indexing: no host sync, no graph break)
+        w = weight.reshape(-1).to(probs.dtype)  # (N,)
+        total = w.sum().clamp(min=1.0)  # a batch of padding alone adds nothing, not 0/0
+        counts = probs.new_zeros(n_exp).index_add_(0, flat_e, w.repeat_interleave(k))  # (E,) weighted
+        frac, mean_p, z = counts / (total * k), (probs * w[:, None]).sum(dim=0) / total, (z_sq * w).sum() / total
+    return {"lb_loss": n_exp * (frac * mean_p).sum(), "z_loss": z}
+
+
+def mean_router_losses(per_layer: list[dict[str, Tensor]], cfg) -> dict[str, Tensor]:  # cfg: a MoEConfig
+    """The layers' :func:`router_losses` averaged, and ``aux_loss``, their sum weighted by
+    ``cfg.lb_loss_weight`` / ``cfg.z_loss_weight``: what the LM loss adds."""
+    lb = torch.stack([a["lb_loss"] for a in per_layer]).mean()
+    z = torch.stack([a["z_loss"] for a in per_layer]).mean()
+    return {"lb_loss": lb, "z_loss": z, "aux_loss": cfg.lb_loss_weight * lb + cfg.z_loss_weight * z}
+
+
 class MoEFFN(nn.Module):
     """Top-k routed SwiGLU experts; forward takes (B, T, d) or (N, d) and returns the same shape.
 
@@ -74,6 +103,7 @@ class MoEFFN(nn.Module):
         for w in (self.router.weight, self.w_in, self.w_out):
             nn.init.normal_(w, std=0.02)
         self.aux_losses: dict[str, Tensor] = {}
+        self.record: list[Tensor] | None = None  # a list: each forward appends its router logits (N, E) fp32
         self.expert_counts: Tensor = torch.zeros(n_exp, dtype=torch.long)
 
     def _expert_mm(self, a: Tensor, w: Tensor, counts: Tensor, offs: Tensor) -> Tensor:
@@ -121,10 +151,8 @@ class MoEFFN(nn.Module):
         y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(n_tok, k, self.d_model)
         out = (y * top_w.unsqueeze(-1)).sum(dim=1).to(cdt)  # (N, d)
 
-        frac = counts.detach().float() / (n_tok * k)  # f_i, (E,)
-        self.aux_losses = {
-            "lb_loss": n_exp * (frac * probs.mean(dim=0)).sum(),
-            "z_loss": torch.logsumexp(logits, dim=-1).square().mean(),
-        }
+        if self.record is not None:  # the HF wrapper's output_router_logits (and its padding-aware losses)
+            self.record.append(logits)
+        self.aux_losses = router_losses(logits, probs, top_e)
         self.expert_counts = counts.detach()
         return out.view(shape)
