@@ -265,11 +265,22 @@ def b2t(b: BlockCtx, x: Tensor) -> Tensor:
     return b.N("ffn_post_norm", x + h + b.F(h))
 
 
+def resi_dual(b: BlockCtx, x: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """ResiDual, per sublayer f: post stream x <- N(x + f(x)), dual stream d <- d + f(x) (§2 table)"""
+    a = b.A(x)
+    h = b.N("attn_post_norm", x + a)
+    f = b.F(h)
+    return b.N("ffn_post_norm", h + f), d + a + f
+
+
 @dataclass(frozen=True)
 class Scheme:
     block: Callable[[int, int], BlockFn]   # (l 1-based, L) -> the equations of block l
     final_norm: bool = True
     embed_norm: bool = False
+    # ResiDual: (b, x, d) -> (x', d'), d starting at block 1's input (microsoft/ResiDual: res = x), and
+    # the output x_L + N(d_L) (norm "dual_norm"); `block` is unused then
+    dual: Callable[[BlockCtx, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
     scope: str = "head"
     order: str = "before_rope"
 
@@ -309,6 +320,7 @@ PRESETS: dict[str, Scheme] = {
     "mix_ln": Scheme(mix_ln),
     "lns": Scheme(every(lns)),
     "b2t": Scheme(every(b2t), final_norm=False),
+    "resi_dual": Scheme(every(post), final_norm=False, dual=resi_dual),
 }
 
 # The paper's Table 6 names, grammar [Pre-|Post-]<#>-<Pre|Post>, each with a final N.
@@ -352,8 +364,15 @@ def oracle_logits(state_dict: Mapping[str, Tensor], cfg, name: str, ids: Tensor,
     if s.embed_norm:
         x = norm(W, "embed_norm", x, cfg.norm, cfg.norm_eps)
     L = cfg.n_layers
+    d = x
     for i in range(L):
-        x = s.block(i + 1, L)(BlockCtx(W, cfg, i, scope, order), x)
+        b = BlockCtx(W, cfg, i, scope, order)
+        if s.dual is not None:
+            x, d = s.dual(b, x, d)
+        else:
+            x = s.block(i + 1, L)(b, x)
+    if s.dual is not None:
+        x = x + norm(W, "dual_norm", d, cfg.norm, cfg.norm_eps)
     if s.final_norm:
         x = norm(W, "final_norm", x, cfg.norm, cfg.norm_eps)
     head = W("embed.weight") if cfg.tie_embeddings else W("lm_head.weight")

@@ -45,7 +45,8 @@ def _loss_and_grads(model: hn.TransformerLM, ids: torch.Tensor) -> tuple[torch.T
 
 @pytest.mark.parametrize(("placement", "moe"), [
     ("pre", None), ("hybridnorm", None), ("hybridnorm_star", None), ("span", None), ("deepnorm", None),
-    ("hybridnorm_star", MOE)], ids=["pre", "hybridnorm", "hybridnorm_star", "span", "deepnorm", "moe"])
+    ("resi_dual", None), ("hybridnorm_star", MOE)],
+    ids=["pre", "hybridnorm", "hybridnorm_star", "span", "deepnorm", "resi_dual", "moe"])
 def test_activation_checkpointing_gives_identical_loss_and_gradients(placement, moe):
     plain = _model(placement, moe=moe)
     ckpt = checkpoint_blocks(_model(placement, moe=moe))
@@ -138,7 +139,8 @@ def _train_steps(model: hn.TransformerLM, steps: int = 3) -> list[torch.Tensor]:
     return losses
 
 
-@pytest.mark.parametrize(("placement", "graphs"), [("pre", 1), ("hybridnorm", 1), ("hybridnorm_star", 2)])
+@pytest.mark.parametrize(("placement", "graphs"), [("pre", 1), ("hybridnorm", 1), ("hybridnorm_star", 2),
+                                                   ("resi_dual", 1)])  # its blocks also carry the second stream
 def test_regional_compile_compiles_each_block_structure_once(dynamo, placement, graphs):
     counter = CompileCounter()
     model = compile_blocks(_model(placement), backend=counter)

@@ -7,12 +7,25 @@ from hybridnorm.placements import BlockSpec, Override, Placement, SublayerSpec
 from hybridnorm.placements.docs import render
 
 REQUIRED = {"pre", "post", "post_shifted", "hybridnorm", "hybridnorm_star", "qk_norm", "span", "peri",
-            "olmo2", "deepnorm", "mix_ln", "lns", "b2t", "first_qkv_pre", "embed_norm"}
+            "olmo2", "deepnorm", "mix_ln", "lns", "b2t", "first_qkv_pre", "embed_norm", "resi_dual"}
+
+# Every name shared/spec/SCHEMES.md's tables (§1 block equations, §2 other placements) give a placement,
+# as written there, and the preset it names (DyT is a norm kind, `model.norm=dyt`, not a placement)
+SPEC_NAMES = {"Pre-Norm": "pre", "Post-Norm": "post", "HybridNorm": "hybridnorm", "HybridNorm*": "hybridnorm_star",
+              "QK-Norm": "qk_norm", "First-QKV-Pre": "first_qkv_pre", "EmbedNorm": "embed_norm",
+              "SpanNorm": "span", "Sandwich": "peri", "Peri-LN": "peri", "OLMo-2 reordered": "olmo2",
+              "OLMo-2": "olmo2", "DeepNorm": "deepnorm", "Mix-LN": "mix_ln", "LayerNorm Scaling": "lns",
+              "B2T": "b2t", "ResiDual": "resi_dual"}
 
 
 def test_required_presets_registered():
     assert REQUIRED <= set(placements.names())
     assert placements.get("sandwich") == placements.get("peri")
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_NAMES))
+def test_every_name_the_spec_uses_resolves(name):
+    assert placements.get(name) == placements.get(SPEC_NAMES[name])
 
 
 @pytest.mark.parametrize("name", ["QKV-Post", "qkv-post", "QKV_POST", " qkv-Post "])
@@ -105,3 +118,16 @@ def test_docs_are_generated_from_registry():
         "docs/placements.md is stale: python -m hybridnorm.placements.docs > docs/placements.md"
     for name in placements.names():
         assert f"### `{name}`" in render()
+
+
+def test_resi_dual_is_post_norm_blocks_with_a_second_stream():
+    p = placements.get("ResiDual")
+    assert p.block == placements.get("post").block and p.dual_stream and not p.final_norm
+    assert not any(placements.get(n).dual_stream for n in placements.names() if n != "resi_dual")
+    assert placements.equations(p)[-2:] == ["D₁ = X₁;  D' = D + MHA(X) + FFN(Y)",
+                                            "logits = Head(X'_L + N(D_L))  (no final N)"]
+    assert Placement.from_dict(p.to_dict()) == p
+    old = {k: v for k, v in placements.get("post").to_dict().items() if k != "dual_stream"}  # a config before it
+    assert Placement.from_dict(old).dual_stream is False
+    with pytest.raises(ConfigError, match=r"dual_stream"):
+        Placement.from_dict({**p.to_dict(), "dual_stream": "yes"})

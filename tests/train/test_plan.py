@@ -90,7 +90,7 @@ def _kept(model: hn.TransformerLM, ids: torch.Tensor, bf16: bool) -> int:
 TOL = 0.10
 
 
-@pytest.mark.parametrize("placement", ["hybridnorm_star", "pre", "post", "hybridnorm"])
+@pytest.mark.parametrize("placement", ["hybridnorm_star", "pre", "post", "hybridnorm", "resi_dual"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_activation_formula_matches_saved_tensors(placement: str, precision: str, monkeypatch) -> None:
     torch.set_num_threads(1)

@@ -120,14 +120,19 @@ class Diagnostics:
         return hook
 
     def _layer_hook(self, name: str, block: nn.Module | None = None):
-        def hook(module: nn.Module, args: Any, out: Tensor) -> None:
+        def hook(module: nn.Module, args: Any, out: Tensor | tuple[Tensor, Tensor]) -> None:
             if f"seen/{name}" in self._pending:  # a later micro-batch: the first one is the sample
                 return
             self._pending[f"seen/{name}"] = 1.0
+            dual = None
+            if isinstance(out, tuple):  # a ResiDual block: (its own stream, the second stream)
+                out, dual = out
             if self.cfg.activations:
                 for stat, value in activation_stats(out).items():
                     key = stat if stat == "cos_sim" else f"act_{stat}"
                     self._pending[f"{key}/{name}"] = value
+                if dual is not None:  # the never-normed stream, whose growth is ResiDual's point
+                    self._pending[f"dual_act_rms/{name}"] = activation_stats(dual)["rms"]
             counts = getattr(getattr(block, "ffn", None), "expert_counts", None)
             if counts is not None:
                 for stat, value in expert_load_stats(counts).items():

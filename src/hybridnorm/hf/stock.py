@@ -85,6 +85,8 @@ def match_stock(mc: ModelConfig) -> tuple[StockArch | None, str]:
         return None, f"norm={mc.norm!r}: the stock classes use RMSNorm"
     if p.embed_norm:
         return None, "an embedding norm: no stock class has one"
+    if p.dual_stream:
+        return None, "ResiDual's second stream: no stock class has one"
     if not p.final_norm:
         return None, "no final norm: every stock class has one"
     specs = set(p.blocks(mc.n_layers))

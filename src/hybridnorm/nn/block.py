@@ -9,8 +9,10 @@ Each sublayer (attention, then FFN) runs the same five lines::
     s'     = N_post(s')           if post_norm
 
 so Pre-Norm, Post-Norm, HybridNorm, Peri-LN, OLMo-2, SpanNorm, B2T and DeepNorm differ only in which
-slots are on (see ``hybridnorm.placements``). Module names of the slots: ``attn_norm``,
-``attn_out_norm``, ``attn_post_norm``, ``ffn_norm``, ``ffn_out_norm``, ``ffn_post_norm``.
+slots are on (see ``hybridnorm.placements``). Module names of the slots: ``attn_norm``, ``attn_out_norm``,
+``attn_post_norm``, ``ffn_norm``, ``ffn_out_norm``, ``ffn_post_norm``. Given ResiDual's second stream
+``dual``, a block also adds its two branch outputs to it, ``dual' = dual + β·h_attn + β·h_ffn``, and
+returns ``(s', dual')``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class Block(nn.Module):
 
     def _sublayer(self, s: Tensor, x: Tensor, spec: SublayerSpec, op: nn.Module, args: tuple,
                   in_norm: nn.Module | None, out_norm: nn.Module | None,
-                  post_norm: nn.Module | None) -> Tensor:
+                  post_norm: nn.Module | None) -> tuple[Tensor, Tensor]:
+        """(the sublayer's output stream s', its branch β·h)."""
         # op is the sublayer module itself, called with its extra args (not a closure over them): torch.compile
         # guards a closure by its code object, so a fresh one per call would force a recompile on every block
         u = in_norm(s) if in_norm is not None else s
@@ -73,11 +76,14 @@ class Block(nn.Module):
         if self.beta != 1.0:
             h = self.beta * h
         out = skip + h
-        return post_norm(out) if post_norm is not None else out
+        return (post_norm(out) if post_norm is not None else out), h
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
-                mask: Tensor | None = None) -> Tensor:
-        y = self._sublayer(x, x, self.spec.attn, self.attn, (cos, sin, cache, mask),
-                           self.attn_norm, self.attn_out_norm, self.attn_post_norm)  # (B, T, d)
-        return self._sublayer(y, x, self.spec.ffn, self.ffn, (),
-                              self.ffn_norm, self.ffn_out_norm, self.ffn_post_norm)
+                mask: Tensor | None = None, dual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        y, h_attn = self._sublayer(x, x, self.spec.attn, self.attn, (cos, sin, cache, mask),
+                                   self.attn_norm, self.attn_out_norm, self.attn_post_norm)  # (B, T, d)
+        out, h_ffn = self._sublayer(y, x, self.spec.ffn, self.ffn, (),
+                                    self.ffn_norm, self.ffn_out_norm, self.ffn_post_norm)  # (B, T, d)
+        if dual is None:
+            return out
+        return out, dual + h_attn + h_ffn  # ResiDual: the second stream gathers both branches, never normed

@@ -41,6 +41,7 @@ class TransformerLM(nn.Module):
         self.embed_norm = norm() if placement.embed_norm else None
         self.blocks = nn.ModuleList(
             block_class(config, spec, layer) for layer, spec in enumerate(placement.blocks(config.n_layers)))
+        self.dual_norm = norm() if placement.dual_stream else None  # ResiDual: N of the second stream
         self.final_norm = norm() if placement.final_norm else None
         self.lm_head = None if config.tie_embeddings else nn.Linear(d, V, bias=False)
         self.register_buffer("rope_cos", None, persistent=False)  # (max_seq_len, D/2), set by reset_rope
@@ -107,20 +108,28 @@ class TransformerLM(nn.Module):
     def trunk(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, mask: Tensor | None = None,
               block_inputs: list[Tensor] | None = None) -> Tensor:
         """Token embeddings x (B, T, d) -> the final-normed hidden states (B, T, d) that the head reads:
-        embedding norm, every block, final norm. ``cos``/``sin`` are the RoPE tables at the tokens' positions
-        ((T, D/2) or (B, T, D/2)); ``mask`` is passed to every attention unchanged. ``block_inputs``, a list,
+        embedding norm, every block (ResiDual: with its second stream, added normed after the last block),
+        final norm. ``cos``/``sin`` are the RoPE tables at the tokens' positions ((T, D/2) or (B, T, D/2));
+        ``mask`` is passed to every attention unchanged. ``block_inputs``, a list,
         receives each block's input (the HF wrapper's ``output_hidden_states``). Does not advance ``cache.pos``:
         the caller does (a transformers cache counts its own tokens)."""
         if self.embed_norm is not None:
             x = self.embed_norm(x)
+        # ResiDual's second stream starts at block 1's input; a copy, not the same tensor: a compiled block
+        # given one tensor as both x and dual would be specialised to that aliasing and recompiled for block 2
+        dual = x.clone() if self.dual_norm is not None else None
         for block in self.blocks:
             if block_inputs is not None:
                 block_inputs.append(x)
+            args = (x, cos, sin, cache, mask) if dual is None else (x, cos, sin, cache, mask, dual)
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # non-reentrant: gradients also reach what escapes the block besides x (MoE aux losses)
-                x = checkpoint(block, x, cos, sin, cache, mask, use_reentrant=False)
+                out = checkpoint(block, *args, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache, mask)
+                out = block(*args)
+            x, dual = out if dual is not None else (out, None)
+        if dual is not None:
+            x = x + self.dual_norm(dual)  # (B, T, d)
         return self.final_norm(x) if self.final_norm is not None else x
 
     def _head_weight(self) -> Tensor:

@@ -2,8 +2,8 @@
 
 The docs and every preset's docstring are generated from here, so the prose cannot drift from the
 spec that the model actually runs. Notation: ``X`` block input, ``Y`` mid-block stream, ``X'`` block
-output, ``N`` a norm, ``MHA_#`` attention with per-head norms on the letters ``#``, ``α`` residual
-scale, ``β`` branch scale, ``N_l = N/√l`` (LayerNorm Scaling).
+output, ``N`` a norm, ``MHA_#`` attention with per-head norms on the letters ``#``, ``D`` ResiDual's
+second stream, ``α`` residual scale, ``β`` branch scale, ``N_l = N/√l`` (LayerNorm Scaling).
 """
 
 from __future__ import annotations
@@ -11,14 +11,19 @@ from __future__ import annotations
 from hybridnorm.placements.spec import BlockSpec, Override, Placement, SublayerSpec
 
 
-def _sublayer(spec: SublayerSpec, block: BlockSpec, s: str, x: str, op: str) -> str:
+def _branch(spec: SublayerSpec, block: BlockSpec, s: str, op: str) -> str:
+    """What the sublayer adds to its skip: ``op`` on its (normed) input, normed and scaled as the spec says."""
     n = "N_l" if block.depth_scaled_norms else "N"
     u = f"{n}({s})" if spec.in_norm else s
     branch = f"{op}({u})"
     if spec.out_norm:
         branch = f"{n}({branch})"
-    if block.branch_scale != 1.0:
-        branch = f"β·{branch}"
+    return f"β·{branch}" if block.branch_scale != 1.0 else branch
+
+
+def _sublayer(spec: SublayerSpec, block: BlockSpec, s: str, x: str, op: str) -> str:
+    n = "N_l" if block.depth_scaled_norms else "N"
+    branch = _branch(spec, block, s, op)
     skip = {"input": s, "normed": f"{n}({s})", "block": x, "block+input": f"{x} + {s}"}[spec.skip]
     if block.residual_scale != 1.0:
         skip = f"α·({skip})" if " + " in skip else f"α·{skip}"
@@ -76,7 +81,13 @@ def equations(placement: Placement) -> list[str]:
         lines.append(f"{_which(o)}: {block_equations(o.block)}")
     prefix = "other blocks: " if placement.overrides else ""
     lines.append(prefix + block_equations(placement.block))
-    lines.append("logits = Head(N(X'_L))" if placement.final_norm else "logits = Head(X'_L)  (no final N)")
+    out = "X'_L"
+    if placement.dual_stream:  # ResiDual: one line for the second stream (the main block's branches)
+        b = placement.block
+        attn, ffn = _branch(b.attn, b, "X", attention_name(b)), _branch(b.ffn, b, "Y", "FFN")
+        lines.append(f"D₁ = X₁;  D' = D + {attn} + {ffn}")
+        out = "X'_L + N(D_L)"
+    lines.append(f"logits = Head(N({out}))" if placement.final_norm else f"logits = Head({out})  (no final N)")
     consts = constants(placement)
     if consts:
         lines.append("where " + ", ".join(consts))

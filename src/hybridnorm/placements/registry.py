@@ -42,7 +42,7 @@ GRAMMAR = (
 
 
 def _key(name: str) -> str:
-    return name.strip().lower().replace("-", "_")
+    return "_".join(name.strip().lower().replace("-", " ").replace("_", " ").split())
 
 
 def register(placement: Placement) -> Placement:
@@ -106,9 +106,10 @@ def get(name: str | Placement) -> Placement:
 
 def _preset(name: str, block: BlockSpec, *, summary: str, source: str, init: str = "normal",
             overrides: tuple[Override, ...] = (), final_norm: bool = True, embed_norm: bool = False,
-            aliases: tuple[str, ...] = ()) -> None:
+            dual_stream: bool = False, aliases: tuple[str, ...] = ()) -> None:
     register(Placement(name=name, block=block, overrides=overrides, final_norm=final_norm,
-                       embed_norm=embed_norm, init=init, summary=summary, source=source, aliases=aliases))
+                       embed_norm=embed_norm, dual_stream=dual_stream, init=init, summary=summary, source=source,
+                       aliases=aliases))
 
 
 _preset("pre", PRE_BLOCK, aliases=("pre_norm", "pre_ln"),
@@ -132,7 +133,7 @@ _preset("first_qkv_pre", HYBRID_BLOCK, init="megatron",
         overrides=(Override(BlockSpec(attn=NONE, ffn=PRE, qkv_norm="QKV"), first_n=1),),
         summary="HybridNorm whose block 1 is QKV-Pre (Pre-Norm FFN only).",
         source="HybridNorm, arXiv 2503.04598, Table 7")
-_preset("embed_norm", HYBRID_BLOCK, init="megatron", embed_norm=True,
+_preset("embed_norm", HYBRID_BLOCK, init="megatron", embed_norm=True, aliases=("embednorm",),
         summary="HybridNorm with a norm on the token embeddings.",
         source="HybridNorm, arXiv 2503.04598, Table 7")
 _preset("qk_norm", BlockSpec(attn=PRE, ffn=PRE, qkv_norm="QK"), aliases=("pre_qk_pre",),
@@ -150,7 +151,7 @@ _preset("peri", BlockSpec(attn=SANDWICH, ffn=SANDWICH), aliases=("sandwich", "pe
         summary="Peri-LN / Sandwich: norms on both the input and the output of every sublayer.",
         source="Peri-LN, arXiv 2502.02732; Gemma 2; Grok")
 _preset("olmo2", BlockSpec(attn=OUT, ffn=OUT, qkv_norm="QK", qkv_norm_scope="full"),
-        aliases=("olmo2_reordered", "output_norm"),
+        aliases=("olmo2_reordered", "olmo_2", "olmo_2_reordered", "output_norm"),
         summary="OLMo-2 reordered norm: norms on sublayer outputs only, full-width QK-norm before RoPE.",
         source="OLMo 2, arXiv 2501.00656; HF Olmo2ForCausalLM")
 _preset("deepnorm", dataclasses.replace(POST_BLOCK, residual_scale="deepnorm"), final_norm=False,
@@ -166,3 +167,7 @@ _preset("lns", dataclasses.replace(PRE_BLOCK, depth_scaled_norms=True), aliases=
 _preset("b2t", BlockSpec(attn=POST, ffn=SublayerSpec(skip="block+input", post_norm=True)), final_norm=False,
         summary="Bottom-to-top connection: Post-Norm whose FFN skip also carries the block input X.",
         source="B2T, arXiv 2206.00330")
+_preset("resi_dual", POST_BLOCK, final_norm=False, dual_stream=True, aliases=("residual",),
+        summary="ResiDual: Post-Norm blocks, plus a second, never-normed stream that sums every sublayer's "
+                "output from the block-1 input on; the output is the Post-Norm stream plus that stream normed.",
+        source="ResiDual, arXiv 2304.14802; microsoft/ResiDual")

@@ -125,13 +125,18 @@ class Override:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the norms go, for a whole model. ``init`` is the paper's default init for it."""
+    """Where the norms go, for a whole model. ``init`` is the paper's default init for it.
+
+    ``dual_stream`` (ResiDual): a second stream D beside the blocks' own, D₁ = X₁ (what block 1 receives),
+    to which every sublayer adds its branch output (D' = D + MHA(X) + FFN(Y)); the trunk's output is
+    X'_L + N(D_L), the norm being the model's ``dual_norm``, then the final norm if ``final_norm``."""
 
     name: str
     block: BlockSpec
     overrides: tuple[Override, ...] = ()
     embed_norm: bool = False
     final_norm: bool = True
+    dual_stream: bool = False
     init: str = "normal"
     summary: str = ""
     source: str = ""

@@ -32,7 +32,8 @@ and the (V, d) weight gradient; the plain line (``fast_kernels=false``) keeps th
 token, and at the start of its backward 8·V more (its gradient and its input's): :func:`loss_peak_bytes`.
 Under DDP with bf16, autocast keeps a bf16 copy of every matmul weight until the
 backward: 2·N_matmul bytes, whatever the batch. With activation checkpointing a block keeps only its
-input (r·d per token), and one block's full activations come back during its recompute.
+input (r·d per token), and one block's full activations come back during its recompute. ResiDual's second
+stream adds r·d + 4 per token (its norm) and, with checkpointing, r·d per block (a second input).
 """
 
 from __future__ import annotations
@@ -173,8 +174,12 @@ def activation_bytes(mc: ModelConfig, tokens: int, precision: str, checkpointing
     c = 2 if precision == "bf16" else 4
     layers = [layer_act_bytes(mc, c, i) for i in range(mc.n_layers)]
     head = head_act_bytes(mc, c)
+    inputs = R * mc.d_model  # what a checkpointed block keeps: its input
+    if mc.resolved_placement().dual_stream:  # ResiDual: the second stream's norm, and its input in every block
+        head += R * mc.d_model + 4
+        inputs += R * mc.d_model
     if checkpointing:
-        return tokens * (mc.n_layers * R * mc.d_model + head), tokens * max(layers)
+        return tokens * (mc.n_layers * inputs + head), tokens * max(layers)
     return tokens * (sum(layers) + head), 0
 
 
