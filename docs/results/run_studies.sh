@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 OUT=${STUDIES_OUT:-.}  # not $OUT: a common variable name that some machines set
-STUDIES=${STUDIES:-A B}  # e.g. STUDIES=B to run only the depth study
+STUDIES=${STUDIES:-A B E}  # e.g. STUDIES=B to run only the depth study
 # Shared: 24-layer d=64 models (4 heads, 2 KV, SwiGLU 344), batch 8 × 128 tokens, fp32, the kjv-bigval split
 # (125k validation tokens, 100 batches = 102,400 scored), diagnostics every 100 steps for the verdicts.
 COMMON=(--data.source=kjv-bigval --precision=fp32 --model.d_model=64 --model.n_heads=4 --model.n_kv_heads=2
@@ -22,6 +22,11 @@ COMMON=(--data.source=kjv-bigval --precision=fp32 --model.d_model=64 --model.n_h
 [[ " $STUDIES " != *" B "* ]] || hybridnorm sweep --placements pre,hybridnorm,hybridnorm_star,post_shifted --init megatron \
   --axis depth=12,24,48 --seeds 0,1,2 --warmup-frac 0.2 --max-steps 1000 --baseline pre \
   --out "$OUT/B_depth" "${COMMON[@]}" --optim.lr=1e-3 "$@"
+
+# (E) ResiDual at depth against Pre-Norm: study B's settings, added after A-C.
+[[ " $STUDIES " != *" E "* ]] || hybridnorm sweep --placements pre,resi_dual --init megatron \
+  --axis depth=12,24,48 --seeds 0,1,2 --warmup-frac 0.2 --max-steps 1000 --baseline pre \
+  --out "$OUT/E_resi_dual_depth" "${COMMON[@]}" --optim.lr=1e-3 "$@"
 
 # The claim table of README.md, derived from both studies' runs.json (CI checks it is current).
 python3 -m hybridnorm.experiments.claims "$OUT"
