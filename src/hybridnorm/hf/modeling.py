@@ -164,7 +164,12 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         """The MoE router losses of one forward from its ``router_logits`` (each (B*T, E)), counting only the
         real tokens of a 2-D padding ``attention_mask`` (B, S) (its last T columns; as Mixtral's
         ``load_balancing_loss_func`` does); without one, every token, which gives the training loop's numbers.
-        Returns ``lb_loss``, ``z_loss`` (layer means, unweighted) and ``aux_loss``, their weighted sum."""
+        Returns ``lb_loss``, ``z_loss`` (layer means, unweighted) and ``aux_loss``, their weighted sum.
+
+        Recomputed here from the recorded logits rather than by handing the mask to the MoE layers: under
+        gradient checkpointing a layer's forward reruns in backward, after the mask would be gone, and must
+        save the same tensors as the first run. The softmax and top-k again are (B*T, E): small beside the
+        experts."""
         moe = self.model.config.moe
         weight = None
         if attention_mask is not None and attention_mask.dim() == 2:
