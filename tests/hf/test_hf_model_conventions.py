@@ -200,3 +200,25 @@ def test_bad_moe_fields_are_refused_by_name_never_built_dense(kwargs: dict, name
     with pytest.raises(ConfigError) as err:
         config(**kwargs)
     assert names in str(err.value)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer", "dyt"])
+def test_loading_in_bf16_generates_for_every_norm_kind(tmp_path: Path, norm: str) -> None:
+    """``from_pretrained(..., dtype=torch.bfloat16)`` (and transformers' ``test_eager_matches_sdpa_inference``)
+    casts every weight, norm gains included: the norms still compute in fp32. A LayerNorm model failed here
+    ("mixed dtype (CPU)"). Its logits are those of the fp32 load within bf16 rounding (tests/nn/
+    test_low_precision_weights.py bounds them against fp32 math), and it generates."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    HybridNormForCausalLM(config(hybridnorm={"placement": "hybridnorm_star", "norm": norm})).save_pretrained(tmp_path)
+    low = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    full = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert low.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in low.parameters())
+    ids = torch.randint(1, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = low(ids).logits, full(ids).logits
+    assert a.dtype == torch.bfloat16
+    assert ((a.float() - b).abs().max() / b.abs().max()).item() < 0.08
+    out = low.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape == (2, 13)

@@ -49,13 +49,13 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def one_trainer_step(tmp: Path, model: HybridNormForCausalLM, batch: int, accum: int) -> tuple[float, dict]:
+def one_trainer_step(tmp: Path, model: torch.nn.Module, batch: int, accum: int, **args: object) -> tuple[float, dict]:
     """One optimizer step of plain SGD (lr 1, no clipping, no decay): the update is minus the gradient."""
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     args = TrainingArguments(output_dir=str(tmp), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
                              max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
                              weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
-                             use_cpu=True, dataloader_drop_last=False, seed=0, data_seed=0)
+                             use_cpu=True, dataloader_drop_last=False, seed=0, data_seed=0, **args)
     trainer = Trainer(model=model, args=args, train_dataset=ragged_samples(), data_collator=collate)
     trainer.train_dataset_sampler = None
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
@@ -107,6 +107,27 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, placement: s
     for k in big:
         assert torch.allclose(acc[k], ratio * big[k], rtol=1e-4, atol=1e-6), k
     assert any(g.abs().max() > 0 for g in big.values())
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_label_smoothing_scores_the_next_token_as_for_a_stock_model(tmp_path: Path, accum: int) -> None:
+    """With ``label_smoothing_factor``, Trainer computes the loss from the logits itself and shifts the labels
+    only for a class named in transformers' table of causal LMs; ``import hybridnorm.hf`` names ours there.
+    Oracle: the same Trainer step on stock ``LlamaForCausalLM`` with the same weights (a Pre-Norm model
+    exports to it exactly). Before, ours was scored against its own input tokens: 4.34 where Llama gives 4.86."""
+    import transformers
+
+    from hybridnorm.hf.export import export_model
+
+    ours = make("pre")
+    assert export_model(ours.model, tmp_path / "llama").class_name == "LlamaForCausalLM"
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    loss, update = one_trainer_step(tmp_path / "a", ours, 8 // accum, accum, label_smoothing_factor=0.1)
+    loss_ref, update_ref = one_trainer_step(tmp_path / "b", llama, 8 // accum, accum, label_smoothing_factor=0.1)
+    assert loss == pytest.approx(loss_ref, rel=1e-5)
+    assert loss != pytest.approx(one_trainer_step(tmp_path / "c", make("pre"), 8 // accum, accum)[0], rel=1e-3)
+    key, ref_key = "model.embed.weight", "model.embed_tokens.weight"
+    assert torch.allclose(update[key], update_ref[ref_key], rtol=1e-4, atol=1e-6)
 
 
 def test_moe_router_loss_adds_up_over_accumulated_micro_batches() -> None:

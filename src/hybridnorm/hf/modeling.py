@@ -33,6 +33,7 @@ from transformers.modeling_outputs import (
     MoeCausalLMOutputWithPast,
     MoeModelOutputWithPast,
 )
+from transformers.models.auto import modeling_auto
 
 from hybridnorm.hf.attention import CacheView, HFKernel
 from hybridnorm.hf.compat import CACHE_FIELD, causal_mask, with_cache
@@ -267,7 +268,14 @@ def _return_dict(config: HybridNormConfig, return_dict: bool | None) -> bool:
 
 
 def register() -> None:
-    """Register the classes with the Auto factories (idempotent; done on ``import hybridnorm.hf``)."""
+    """Register the classes with the Auto factories (idempotent; done on ``import hybridnorm.hf``), and name
+    them in transformers' class-name tables of base models and causal LMs.
+
+    ``register`` alone is not enough: parts of transformers recognise a causal LM by those tables, which it
+    does not touch. ``Trainer`` with ``label_smoothing_factor`` shifts the labels only for a class named in
+    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: any other model is scored against its own input tokens, silently.
+    The Auto factories never see these entries: every lookup there goes through ``CONFIG_MAPPING_NAMES``,
+    where ``hybridnorm`` is not (our config is reached through the registered classes)."""
     for factory, key, cls in ((AutoConfig, MODEL_TYPE, HybridNormConfig),
                               (AutoModel, HybridNormConfig, HybridNormModel),
                               (AutoModelForCausalLM, HybridNormConfig, HybridNormForCausalLM)):
@@ -275,3 +283,5 @@ def register() -> None:
             factory.register(key, cls)
         except ValueError:  # already registered
             pass
+    modeling_auto.MODEL_MAPPING_NAMES.setdefault(MODEL_TYPE, HybridNormModel.__name__)
+    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(MODEL_TYPE, HybridNormForCausalLM.__name__)

@@ -60,7 +60,10 @@ class LayerNorm(Norm):
     """(x - mean(x)) / sqrt(var(x) + eps) · g  (no bias)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(_fp32(x), (self.dim,), self.gain(), None, self.eps).to(x.dtype)
+        xf = _fp32(x)  # (..., dim)
+        # the gain in the compute dtype too (exact for bf16/fp16): a model cast to bf16 keeps bf16 gains, and
+        # the CPU kernel refuses an fp32 input with a bf16 weight
+        return F.layer_norm(xf, (self.dim,), self.gain().to(xf.dtype), None, self.eps).to(x.dtype)
 
 
 class DyT(Norm):
