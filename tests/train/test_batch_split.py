@@ -77,3 +77,25 @@ def test_an_old_micro_batch_position_resumes_at_the_same_windows():
     assert all(torch.equal(next(new)[0], next(old)[0]) for _ in range(6))
     with pytest.raises(ConfigError, match="grad_accum=4"):
         per_step_state(state, 4)
+
+
+@pytest.mark.parametrize(("batch", "accum"), [(4, 2), (2, 4), (1, 8)])
+def test_every_split_of_a_global_batch_is_validated_on_the_same_windows(batch, accum):
+    """The trainer's evaluation scores eval_batches global batches of windows: one process with a batch
+    of 8, or 8 sequences per step as batch x micro-batches, gives the same tokens and loss. Before, it
+    scored eval_batches micro-batches, so a run resumed in one process after two (batch 16 x 2 micro-batches,
+    the README's torchrun sequence) was validated on half the windows it had been."""
+    from dataclasses import replace
+
+    from hybridnorm import ModelConfig
+    from hybridnorm.train.config import TrainConfig
+    from hybridnorm.train.distributed import Dist
+    from hybridnorm.train.step import evaluate
+
+    torch.manual_seed(0)
+    model = ModelConfig(vocab_size=1000, d_model=32, n_layers=1, n_heads=2, ffn_hidden_size=32, max_seq_len=T).build()
+    base = TrainConfig.from_dict({"seq_len": T, "batch_size": 8, "eval_batches": 3, "precision": "fp32"})
+    want = evaluate(model, TOKENS, base, torch.device("cpu"), Dist())
+    assert want[1] == 3 * 8 * T
+    got = evaluate(model, TOKENS, replace(base, batch_size=batch, grad_accum=accum), torch.device("cpu"), Dist())
+    assert got[1] == want[1] and got[0] == pytest.approx(want[0], rel=1e-6)

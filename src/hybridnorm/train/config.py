@@ -80,7 +80,8 @@ class TrainConfig(Config):
     seed: int = bounded(0, ge=0)
     log_interval: int = bounded(10, ge=1)
     eval_interval: int = bounded(100, ge=1)
-    eval_batches: int = bounded(16, ge=1)
+    eval_batches: int = bounded(16, ge=1)      # validation: this many global batches of windows (the same ones
+                                              # for every split of the global batch over processes and micro-batches)
     ckpt_interval: int = bounded(100, ge=1)
     keep_last: int = bounded(3, ge=0)         # checkpoints kept; 0 = all
     async_checkpoint: bool = False            # write checkpoint files while the next steps run (published

@@ -84,9 +84,12 @@ def clip_gradients(model: nn.Module, max_norm: float) -> Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device, d: Dist) -> tuple[float, int]:
-    """Mean next-token loss over the first ``eval_batches`` global batches of validation windows (each rank
-    scores ``eval_batches`` of its ``batch_size``), so W ranks with batch B score the same windows as one
-    process with batch W·B; and the number of tokens scored (fewer than asked when validation is short)."""
+    """Mean next-token loss over the first ``eval_batches`` global batches of validation windows
+    (``eval_batches`` × ``global_batch`` windows: each rank scores ``eval_batches`` × ``grad_accum`` of its
+    ``batch_size``), so every split of one global batch scores the same windows: W ranks with batch B and
+    G micro-batches per step, one process with batch W·B·G, one with batch B and W·G micro-batches (a run
+    resumed on another number of processes keeps measuring what it measured); and the number of tokens
+    scored (fewer than asked when validation is short)."""
     was_training = model.training
     model.eval()
     # eval runs eager: under --compile a no-grad pass would need a second graph per block structure (dynamo
@@ -105,7 +108,8 @@ def _eval_sums(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device,
     weights with every rank; a rank with fewer batches pads with unscored one-token forwards), then the
     sums (one all-reduce). Reducing the sums before the padding forwards deadlocked an uneven split."""
     total = torch.zeros(2, dtype=torch.float64)
-    n_batches = cfg.eval_batches * d.world_size  # val_batches counts batches of batch_size over all ranks
+    # val_batches counts batches of batch_size over all ranks: eval_batches global batches of W x G of them
+    n_batches = cfg.eval_batches * d.world_size * cfg.grad_accum
     mine = list(val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size))
     n_run = int(all_reduce_max(torch.tensor(float(len(mine))), d).item())
     for i in range(n_run):
