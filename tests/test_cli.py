@@ -257,6 +257,30 @@ def test_eval_prints_loss_and_perplexity(run, capsys):
     assert tokens == 2 * 2 * 32  # 2 batches of 2 windows of seq_len 32
 
 
+def test_eval_by_default_scores_what_training_validated_on(work, tmp_path, capsys):
+    """``hybridnorm eval RUN`` with no options gives the loss the run's log shows for its checkpoint, over the
+    same tokens: eval_batches global batches of windows, whatever batch size it scores them in. The run
+    accumulates 2 micro-batches of 3, so neither the micro-batch nor eval's own old default (50 batches of 8)
+    counts them right."""
+    from train_helpers import read_metrics
+
+    import hybridnorm.train.trainer as trainer
+
+    out = tmp_path / "ga"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
+        assert cli.main([*_train_args(work, out, "--max-steps", "2"), "--batch_size=3", "--grad_accum=2",
+                         "--eval_batches=3"]) == 0
+    logged = read_metrics(out, "eval")[-1]
+    assert logged["step"] == 2 and logged["val_tokens"] == 3 * 6 * 32  # 3 global batches of 6 windows
+    capsys.readouterr()
+    for extra in ([], ["--batch-size", "4"]):  # 18 windows in batches of 4: the last one holds 2
+        assert cli.main(["eval", str(out), *extra]) == 0
+        m = re.search(r"val loss ([\d.]+), perplexity [\d.]+ over ([\d,]+) tokens", capsys.readouterr().out)
+        assert int(m[2].replace(",", "")) == logged["val_tokens"]
+        assert float(m[1]) == pytest.approx(logged["val_loss"], abs=5e-5)  # printed to 4 decimals
+
+
 def test_eval_of_a_single_checkpoint_and_fallback_past_a_corrupt_one(run, tmp_path, capsys):
     assert cli.main(["eval", str(run / "checkpoints" / "step_000002"), "--batches", "1"]) == 0
     assert "step_000002: val loss" in capsys.readouterr().out

@@ -274,8 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "corpus (or --data). With them: those evaluations, printed as one table.")
     e.add_argument("checkpoint")
     e.add_argument("--data", help="corpus (default: the run's own validation split)")
-    e.add_argument("--batches", type=int, default=50)
-    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--batches", type=int, help="validation loss: score N batches of --batch-size (default: the "
+                   "windows the run's training validated on, eval_batches x global_batch, so the loss is its log's)")
+    e.add_argument("--batch-size", type=int, help="default: the run's batch_size for the validation loss, 8 for "
+                   "--mc/--text/--tasks")
     e.add_argument("--seq-len", type=int)
     e.add_argument("--mc", metavar="FILE.jsonl",
                    help="zero-shot multiple choice on HellaSwag-style JSONL (context, endings, label): acc, acc_norm")

@@ -18,7 +18,7 @@ from hybridnorm.nn.model import lm_loss
 from hybridnorm.train.preflight import check_run_fits
 from hybridnorm.train.run import Run, is_hf_folder, open_run
 
-__all__ = ["Run", "evaluate_run", "load_run"]
+__all__ = ["Run", "evaluate_run", "load_run", "training_windows"]
 
 
 def load_run(path: str | Path) -> Run:
@@ -38,12 +38,25 @@ def load_run(path: str | Path) -> Run:
     return open_run(path)
 
 
+def training_windows(run: Run) -> int:
+    """How many validation windows the run's training evaluated each time: ``eval_batches`` global batches
+    (the trainer's :func:`~hybridnorm.train.step.evaluate`; the same windows for every split of the global
+    batch over processes and micro-batches)."""
+    cfg = run.config
+    return cfg.eval_batches * (cfg.global_batch or cfg.batch_size * cfg.grad_accum)
+
+
 @torch.no_grad()
-def evaluate_run(run: Run, source: str | None = None, batch_size: int = 8, seq_len: int | None = None,
-                 max_batches: int | None = 50) -> tuple[float, int]:
+def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = None, seq_len: int | None = None,
+                 max_batches: int | None = None) -> tuple[float, int]:
     """Mean next-token loss of ``run`` on the validation split of ``source`` (default: the run's own),
-    tokenized with the run's tokenizer. Returns (loss, tokens scored)."""
+    tokenized with the run's tokenizer. Returns (loss, tokens scored). By default the windows are those
+    the run's training validated on (:func:`training_windows`, in batches of the run's ``batch_size``), so
+    the loss is the one its log shows for that checkpoint; ``max_batches`` scores that many batches of
+    ``batch_size`` instead."""
     seq_len = seq_len or run.config.seq_len
+    batch_size = batch_size or run.config.batch_size
+    windows = max_batches * batch_size if max_batches is not None else training_windows(run)
     tok_path = run.run_dir / "tokenizer.json"
     data = prepare_data(source or run.config.data.source, tokenizer=str(tok_path),
                         cache_dir=run.config.data.cache_dir)
@@ -54,8 +67,9 @@ def evaluate_run(run: Run, source: str | None = None, batch_size: int = 8, seq_l
                           f"fewer than seq_len + 1 = {seq_len + 1}")
     total, count = 0.0, 0
     device = next(run.model.parameters()).device  # where `eval --device` put the model
-    for x, y in val_batches(val, batch_size, seq_len, max_batches):
-        x, y = x.to(device), y.to(device)
+    for i, (x, y) in enumerate(val_batches(val, batch_size, seq_len, -(-windows // batch_size))):
+        keep = min(len(x), windows - i * batch_size)  # the last batch: only the windows still asked for
+        x, y = x[:keep].to(device), y[:keep].to(device)
         total += lm_loss(run.model(x), y).item() * y.numel()
         count += y.numel()
     return (total / count if count else math.nan), count

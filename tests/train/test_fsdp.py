@@ -239,8 +239,10 @@ def test_eval_opens_a_sharded_checkpoint_without_unpickling(runs, monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
     run = load_run(runs["root"] / "fsdp")
     assert run.checkpoint.name == f"step_{STEPS:06d}"
-    # the trainer's evaluation: eval_batches 2 global batches of 2 ranks x grad_accum 2 x batch 2 windows =
-    # these 4 batches of 4 windows
+    # by default, the windows the trainer validated on: eval_batches 2 global batches of 2 ranks x
+    # grad_accum 2 x batch 2 windows; in batches of 4 windows, the same 16
+    loss, _ = evaluate_run(run)
+    assert loss == pytest.approx(runs["jobs"]["fsdp"][0]["val_loss"], rel=1e-5)
     loss, _ = evaluate_run(run, batch_size=4, max_batches=4)
     assert loss == pytest.approx(runs["jobs"]["fsdp"][0]["val_loss"], rel=1e-5)
 

@@ -17,6 +17,8 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
 from hybridnorm.loading import Run, evaluate_run, load_run
 
+SCORING_BATCH = 8  # sequences per forward of --mc / --text / --tasks unless --batch-size says otherwise
+
 
 @dataclass
 class EvalRequest(Config):
@@ -24,8 +26,8 @@ class EvalRequest(Config):
 
     checkpoint: str
     data: str | None = None            # corpus of the validation loss (default: the run's own)
-    batches: int = bounded(50, ge=1)
-    batch_size: int = bounded(8, ge=1)
+    batches: int | None = bounded(None, ge=1)     # validation loss: None = the windows training validated on
+    batch_size: int | None = bounded(None, ge=1)  # None: the run's (validation loss), else SCORING_BATCH
     seq_len: int | None = bounded(None, ge=1)
     mc: str | None = None              # HellaSwag-style JSONL
     text: str | None = None            # .txt/.jsonl file, folder, or 'kjv'
@@ -85,13 +87,13 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     if req.mc:
         from hybridnorm.eval.multiple_choice import evaluate_mc
 
-        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=req.batch_size, limit=req.limit)
+        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=req.batch_size or SCORING_BATCH, limit=req.limit)
         rows += mc_rows(mc, f"mc:{Path(req.mc).name}")
         out["mc"] = mc.to_dict(per_item=True)
     if req.text:
         from hybridnorm.eval.perplexity import perplexity_of_run
 
-        ppl = perplexity_of_run(run, req.text, batch_size=req.batch_size)
+        ppl = perplexity_of_run(run, req.text, batch_size=req.batch_size or SCORING_BATCH)
         rows += perplexity_rows(ppl, f"text:{Path(req.text).name}")
         notes.append(f"text: {ppl.n_docs:,} documents, {ppl.n_tokens:,} tokens, {ppl.n_bytes:,} bytes, "
                      f"{ppl.n_words:,} words")
@@ -102,7 +104,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
         if not req.debug:  # lm-eval's per-task warnings would bury the table (and a one-line error)
             logging.getLogger("lm_eval").setLevel(logging.ERROR)
         res = run_lm_eval(run, task_names(req.tasks), include_path=req.include_path, limit=req.limit,
-                          num_fewshot=req.num_fewshot, batch_size=req.batch_size)
+                          num_fewshot=req.num_fewshot, batch_size=req.batch_size or SCORING_BATCH)
         rows += metric_rows(res)
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
     print_results(rows, f"{run.checkpoint}", notes)
