@@ -18,7 +18,7 @@ from hybridnorm.nn.model import lm_loss
 from hybridnorm.train.preflight import check_run_fits
 from hybridnorm.train.run import Run, is_hf_folder, open_run
 
-__all__ = ["Run", "evaluate_run", "load_run", "training_windows"]
+__all__ = ["Run", "evaluate_run", "load_run"]
 
 
 def load_run(path: str | Path) -> Run:
@@ -38,25 +38,17 @@ def load_run(path: str | Path) -> Run:
     return open_run(path)
 
 
-def training_windows(run: Run) -> int:
-    """How many validation windows the run's training evaluated each time: ``eval_batches`` global batches
-    (the trainer's :func:`~hybridnorm.train.step.evaluate`; the same windows for every split of the global
-    batch over processes and micro-batches)."""
-    cfg = run.config
-    return cfg.eval_batches * (cfg.global_batch or cfg.batch_size * cfg.grad_accum)
-
-
 @torch.no_grad()
 def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = None, seq_len: int | None = None,
                  max_batches: int | None = None) -> tuple[float, int]:
     """Mean next-token loss of ``run`` on the validation split of ``source`` (default: the run's own),
     tokenized with the run's tokenizer. Returns (loss, tokens scored). By default the windows are those
-    the run's training validated on (:func:`training_windows`, in batches of the run's ``batch_size``), so
+    the run's training validated on (``TrainConfig.eval_windows``, in batches of the run's ``batch_size``), so
     the loss is the one its log shows for that checkpoint; ``max_batches`` scores that many batches of
     ``batch_size`` instead."""
     seq_len = seq_len or run.config.seq_len
     batch_size = batch_size or run.config.batch_size
-    windows = max_batches * batch_size if max_batches is not None else training_windows(run)
+    windows = max_batches * batch_size if max_batches is not None else run.config.eval_windows
     tok_path = run.run_dir / "tokenizer.json"
     data = prepare_data(source or run.config.data.source, tokenizer=str(tok_path),
                         cache_dir=run.config.data.cache_dir)

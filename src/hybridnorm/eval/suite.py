@@ -84,16 +84,17 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     rows: list = []
     notes: list[str] = []
     out: dict[str, Any] = {"checkpoint": str(run.checkpoint)}
+    scoring_batch = req.batch_size or SCORING_BATCH  # --mc / --text / --tasks
     if req.mc:
         from hybridnorm.eval.multiple_choice import evaluate_mc
 
-        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=req.batch_size or SCORING_BATCH, limit=req.limit)
+        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=scoring_batch, limit=req.limit)
         rows += mc_rows(mc, f"mc:{Path(req.mc).name}")
         out["mc"] = mc.to_dict(per_item=True)
     if req.text:
         from hybridnorm.eval.perplexity import perplexity_of_run
 
-        ppl = perplexity_of_run(run, req.text, batch_size=req.batch_size or SCORING_BATCH)
+        ppl = perplexity_of_run(run, req.text, batch_size=scoring_batch)
         rows += perplexity_rows(ppl, f"text:{Path(req.text).name}")
         notes.append(f"text: {ppl.n_docs:,} documents, {ppl.n_tokens:,} tokens, {ppl.n_bytes:,} bytes, "
                      f"{ppl.n_words:,} words")
@@ -104,7 +105,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
         if not req.debug:  # lm-eval's per-task warnings would bury the table (and a one-line error)
             logging.getLogger("lm_eval").setLevel(logging.ERROR)
         res = run_lm_eval(run, task_names(req.tasks), include_path=req.include_path, limit=req.limit,
-                          num_fewshot=req.num_fewshot, batch_size=req.batch_size or SCORING_BATCH)
+                          num_fewshot=req.num_fewshot, batch_size=scoring_batch)
         rows += metric_rows(res)
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
     print_results(rows, f"{run.checkpoint}", notes)

@@ -110,6 +110,13 @@ class TrainConfig(Config):
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.seq_len
 
+    @property
+    def eval_windows(self) -> int:
+        """Validation windows per evaluation: ``eval_batches`` global batches of them, the same windows for
+        every split of the global batch over processes and micro-batches (``global_batch`` 0: not derived
+        yet, one process's batch_size × grad_accum)."""
+        return self.eval_batches * (self.global_batch or self.batch_size * self.grad_accum)
+
     def with_overrides(self, overrides: list[str]) -> TrainConfig:
         """A copy with ``--key=value`` overrides applied (and checked)."""
         return TrainConfig.from_dict(TrainConfig.apply_overrides(self.to_dict(), overrides))

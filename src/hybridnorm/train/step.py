@@ -108,8 +108,8 @@ def _eval_sums(model: nn.Module, tokens, cfg: TrainConfig, device: torch.device,
     weights with every rank; a rank with fewer batches pads with unscored one-token forwards), then the
     sums (one all-reduce). Reducing the sums before the padding forwards deadlocked an uneven split."""
     total = torch.zeros(2, dtype=torch.float64)
-    # val_batches counts batches of batch_size over all ranks: eval_batches global batches of W x G of them
-    n_batches = cfg.eval_batches * d.world_size * cfg.grad_accum
+    # val_batches counts batches of batch_size over all ranks (the trainer's cfg holds the derived global batch)
+    n_batches = cfg.eval_windows // cfg.batch_size
     mine = list(val_batches(tokens, cfg.batch_size, cfg.seq_len, n_batches, d.rank, d.world_size))
     n_run = int(all_reduce_max(torch.tensor(float(len(mine))), d).item())
     for i in range(n_run):
