@@ -341,11 +341,35 @@ TABLE6: dict[str, Scheme] = {
 
 SCHEMES: dict[str, Scheme] = {**PRESETS, **TABLE6}
 
+# The whole grammar, beyond Table 6: the attention word (none / Pre / Post), any subset of QKVC, the FFN word.
+GRAMMAR_ATTN: dict[str, Callable[[BlockCtx, Tensor, str], Tensor]] = {
+    "": attn_plain, "Pre": attn_pre, "Post": attn_post}
+GRAMMAR_FFN: dict[str, Callable[[BlockCtx, Tensor], Tensor]] = {"Pre": ffn_pre, "Post": ffn_post}
+
+
+def grammar_names() -> list[str]:
+    """Every name the grammar ``[Pre|Post-][letters-]Pre|Post`` admits (two or three words), letters in
+    QKVC order: 3 attention words x 16 letter sets x 2 FFN words, less the two one-word names."""
+    subsets = ["", *sorted({"".join(c for j, c in enumerate("QKVC") if m >> j & 1) for m in range(1, 16)})]
+    names = ["-".join(w for w in (a, letters, f) if w) for a in GRAMMAR_ATTN for letters in subsets
+             for f in GRAMMAR_FFN]
+    return [n for n in names if "-" in n]
+
+
+def grammar_scheme(name: str) -> Scheme:
+    """The equations of a grammar name, read from its words (the paper's §1 tables), with a final N."""
+    *head, last = name.split("-")
+    attn = head.pop(0) if head and head[0] in ("Pre", "Post") else ""
+    letters = head.pop(0) if head else ""
+    return Scheme(every(_g(GRAMMAR_ATTN[attn], letters, GRAMMAR_FFN[last])))
+
 
 def scheme(name: str) -> Scheme:
-    if name not in SCHEMES:
-        raise KeyError(f"the oracle has no equations for placement {name!r}")
-    return SCHEMES[name]
+    if name in SCHEMES:
+        return SCHEMES[name]
+    if name in grammar_names():
+        return grammar_scheme(name)
+    raise KeyError(f"the oracle has no equations for placement {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------

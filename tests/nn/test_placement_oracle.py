@@ -78,6 +78,18 @@ def test_table6_name_matches_oracle(name):
     check(name)
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer", "dyt"])
+def test_every_grammar_name_matches_oracle(norm):
+    """Table 6 is 12 names; the grammar admits 94 (3 attention words x 16 letter sets x 2 FFN words, less
+    'Pre' and 'Post' alone). Each parses to its canonical spelling and computes the equations its words
+    name, in every norm kind."""
+    names = oracle.grammar_names()
+    assert len(names) == 94 and set(hn.placements.PAPER_NAMES) <= set(names)
+    for name in names:
+        assert hn.placements.parse(name.lower().replace("-", "_")).name == name
+        check(name, norm=norm, n_layers=2)  # through get(): some names are aliases of presets (QKV-Post)
+
+
 # -- heads, norm kinds, depths ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["pre", "post", "hybridnorm", "hybridnorm_star", "span", "olmo2", "b2t"])
