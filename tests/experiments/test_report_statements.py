@@ -126,3 +126,13 @@ def test_a_run_far_behind_the_best_of_its_budget_is_stalled_not_trained(tmp_path
     write_report([other, lone], tmp_path / "b")
     got = {r["placement"]: r["verdict"] for r in json.loads((tmp_path / "b" / "runs.json").read_text())["runs"]}
     assert got == {"pre": "trained", "post": "trained"}
+
+
+@pytest.mark.parametrize(("warmup", "said"), [(50, " (the whole run: lr peaks at 0.0002, never at 0.001)"),
+                                              (10, ""), (2, "")])
+def test_the_setup_line_says_when_the_warmup_outlasts_the_runs(tmp_path, warmup, said):
+    runs = [_run(tmp_path, p, 0, 5.0, extra={"optim": {"lr": 1e-3, "warmup_steps": warmup}})
+            for p in ("pre", "post")]
+    text = write_report(runs, tmp_path).read_text()
+    setup = next(x for x in text.splitlines() if x.startswith("Setup shared by every run"))
+    assert f"warmup {warmup} steps{said}, clip" in setup

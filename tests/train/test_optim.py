@@ -12,7 +12,7 @@ from train_helpers import read_metrics
 from hybridnorm.config import ModelConfig
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.norms import Norm
-from hybridnorm.train.optim import OptimConfig, build_optimizer, lr_at, param_groups
+from hybridnorm.train.optim import OptimConfig, build_optimizer, lr_at, param_groups, short_warmup_note
 from hybridnorm.train.trainer import train
 
 
@@ -37,6 +37,16 @@ def test_no_warmup_and_degenerate_schedules():
     assert lr_at(100, cfg, 100) == pytest.approx(0.0)
     short = OptimConfig(lr=1.0, warmup_steps=5, min_lr_ratio=0.5)  # max_steps <= warmup: no division by 0
     assert [lr_at(s, short, 3) for s in range(3)] == pytest.approx([0.2, 0.4, 0.6])
+
+
+def test_a_warmup_longer_than_the_run_is_named_with_the_lr_it_reaches():
+    cfg = OptimConfig(lr=2e-3, warmup_steps=50)
+    note = short_warmup_note(cfg, 8)
+    assert note is not None and "0.00032 at the last step" in note and "optim.lr=0.002 is never reached" in note
+    assert 2e-3 * 8 / 50 == pytest.approx(3.2e-4)  # the hand value: step 7 of a linear 50-step ramp
+    assert short_warmup_note(cfg, 50) is None  # reaches lr at its last step
+    assert short_warmup_note(cfg, 480) is None
+    assert short_warmup_note(OptimConfig(lr=1.0, warmup_steps=0), 1) is None
 
 
 def _groups(**kw):

@@ -17,14 +17,29 @@ from typing import Any
 
 from hybridnorm import placements as registry
 from hybridnorm.config_base import flatten_config
+from hybridnorm.errors import ConfigError
 from hybridnorm.experiments import plots, verdict
 from hybridnorm.experiments.runs import RunRecord, set_peer_gains
 from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
+from hybridnorm.train.optim import OptimConfig, lr_at
 from hybridnorm.train.provenance import describe as describe_code
 from hybridnorm.train.provenance import describe_hardware
 
 # Config fields that name the run rather than change it.
 BOOKKEEPING = {"out_dir", "seed", "model.placement", "data.cache_dir"}
+
+
+def _short_warmup(config: dict[str, Any]) -> str:
+    """`` (the whole run: lr peaks at X)`` when the warmup is longer than the run, else ``""``: the lr in
+    the setup line is then never reached, and a reader comparing with another report should know."""
+    steps, o = config.get("max_steps") or 0, config.get("optim") or {}
+    try:
+        cfg = OptimConfig.from_dict(o)
+    except ConfigError:  # a config written by other code: say nothing rather than guess
+        return ""
+    if steps < 1 or cfg.warmup_steps <= steps:
+        return ""
+    return f" (the whole run: lr peaks at {lr_at(steps - 1, cfg, steps):.3g}, never at {cfg.lr:g})"
 
 
 def group_key(r: RunRecord) -> tuple:
@@ -180,7 +195,7 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
         lines += [f"Setup shared by every run unless listed below: d={m.get('d_model')}, {m.get('n_layers')} layers, "
                   f"{m.get('n_heads')} heads ({m.get('n_kv_heads')} KV), FFN {m.get('ffn_hidden_size')}; "
                   f"{c.get('max_steps')} steps × {tokens:,} tokens; lr {o.get('lr')}, "
-                  f"warmup {o.get('warmup_steps')} steps, clip {o.get('grad_clip')}, "
+                  f"warmup {o.get('warmup_steps')} steps{_short_warmup(c)}, clip {o.get('grad_clip')}, "
                   f"wd {o.get('weight_decay')}; {c.get('precision')}; data {c.get('data', {}).get('source')}; "
                   f"validation on {r0['val_tokens'] or 0:,} tokens; unigram baseline "
                   f"{(r0['unigram_entropy'] or math.nan):.3f} nats.", ""]

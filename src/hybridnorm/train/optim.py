@@ -100,6 +100,16 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def short_warmup_note(cfg: OptimConfig, max_steps: int) -> str | None:
+    """A warning when the warmup is longer than the run: the learning rate then rises the whole run and
+    ``cfg.lr`` is never reached, which a reader of the run's lr line would not guess."""
+    if cfg.warmup_steps <= max_steps or max_steps < 1:
+        return None
+    peak = lr_at(max_steps - 1, cfg, max_steps)
+    return (f"optim.warmup_steps={cfg.warmup_steps} > max_steps={max_steps}: the learning rate rises the "
+            f"whole run, to {peak:.3g} at the last step; optim.lr={cfg.lr:g} is never reached")
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -62,7 +62,7 @@ from hybridnorm.train.distributed import (
 from hybridnorm.train.flops import flops_per_token, measured_peak_flops
 from hybridnorm.train.host_sync import PendingSteps, StepRecord, deferred
 from hybridnorm.train.logger import MetricsLogger
-from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, set_lr
+from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, set_lr, short_warmup_note
 from hybridnorm.train.parallel import data_parallel, shard_model
 from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
@@ -208,6 +208,8 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     float8 = "; float8 matmuls in the blocks' linears" if cfg.float8 else ""
     log.message(f"precision: {precision} ({why}){float8}; AdamW: {describe_optimizer(optimizer)}")
     log.message(split.describe(d.world_size) + (" (derived to keep the global batch)" if split.changed else ""))
+    if (note := short_warmup_note(cfg.optim, cfg.max_steps)) is not None:
+        log.message(f"note: {note}")
     if split.changed:
         log.log(state.step, {"event": "batch_split_derived", "global_batch": split.global_batch,
                              "batch_size": split.batch_size, "grad_accum": split.grad_accum,
