@@ -120,7 +120,9 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
                                                    if a != "--report-only"]),  # the command that trains it
                              title="Placement comparison" if args.command == "compare" else "Placement sweep",
                              train=not args.report_only)
-    print(f"report: {summary}")
+    from hybridnorm.train.distributed import current_dist
+    if current_dist().is_main:
+        print(f"report: {summary}")
     return 0
 
 
@@ -346,7 +348,24 @@ def main(argv: list[str] | None = None) -> int:
         return _main(words, command, argv)
 
 
+ONE_PROCESS_COMMANDS = ("generate", "eval", "export", "import", "gradprofile", "placements", "plan")
+
+
+def _one_process_only(command: str | None) -> str | None:
+    """Why ``command`` must not run under a torchrun of several processes, or None. Only train, compare and
+    sweep use torchrun's ranks; every other command would run once per rank, each writing the same files."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1 or command not in ONE_PROCESS_COMMANDS:
+        return None
+    return (f"hybridnorm {command} runs in one process, but torchrun started {world} (WORLD_SIZE={world}), "
+            f"which would each run it and write the same files; run it without torchrun (train, compare and "
+            f"sweep are the commands that use several processes)")
+
+
 def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
+    if (why := _one_process_only(command)) is not None and not {"-h", "--help"} & set(words):
+        print(f"error: {why}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if command == "gradprofile":  # a measurement with its own options (experiments.gradprofile)
         from hybridnorm.experiments import gradprofile
         return gradprofile.main(words[words.index(command) + 1:])

@@ -21,9 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybridnorm.errors import ConfigError
-from hybridnorm.experiments.grid import Grid, run_grid
+from hybridnorm.experiments.grid import Grid, join_ranks, run_grid
 from hybridnorm.experiments.report import print_verdicts, write_report
 from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.distributed import agree, current_dist
 from hybridnorm.train.preflight import check_output_folder
 
 
@@ -38,11 +39,18 @@ def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: 
     def report(records: list) -> None:
         write_report(records, out, baseline, command, title)
 
-    if train:  # the output-folder rule of every command: a report folder (this grid's, to continue) or a new one
-        check_output_folder(out, "report folder (--out)", may_hold=("report",))
+    d = join_ranks(base, jobs) if train else current_dist()  # torchrun: every run trains on all ranks
+    failed: ConfigError | None = None
+    try:  # the output-folder rule of every command: a report folder (this grid's, to continue) or a new one
+        if train and d.is_main:
+            check_output_folder(out, "report folder (--out)", may_hold=("report",))
+    except ConfigError as e:
+        failed = e
+    agree(failed, d, f"checking the report folder {out}")
     runs = run_grid(base, grid, out, jobs=jobs, on_progress=report, train=train)
-    print_verdicts(runs)
-    report(runs)
+    if d.is_main:  # rank 0 alone reports under torchrun
+        print_verdicts(runs)
+        report(runs)
     return out / "summary.md"
 
 

@@ -15,6 +15,10 @@ value is one init for every placement. ``warmup_frac`` sets ``optim.warmup_steps
 ``jobs > 1`` trains that many points side by side, each in its own process (``python -m
 hybridnorm.experiments.grid RUN_DIR``) with the machine's cores split between them. Ctrl-C or SIGTERM stops
 every worker after its current step with a checkpoint; running the command again continues.
+
+Under ``torchrun`` (:func:`join_ranks`) the points train one after another, each on every rank (DDP or FSDP as
+the config says, the global batch split over the ranks as in ``train``); rank 0 alone writes the grid's files
+(``point.json``, ``done.json``, the report) and prints, so N ranks make the grid that one process makes.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.runs import RunRecord, read_point, read_run_or_unreadable, slug
 from hybridnorm.placements.spec import INITS
 from hybridnorm.train.config import TrainConfig
-from hybridnorm.train.distributed import resolve_device
+from hybridnorm.train.distributed import Dist, agree, current_dist, init_distributed, resolve_device
 from hybridnorm.train.precision import choose_precision
 
 KNOB_ALIASES = {"lr": "optim.lr", "depth": "model.n_layers", "layers": "model.n_layers", "warmup": "optim.warmup_steps",
@@ -156,7 +160,8 @@ def one_precision(configs: list[TrainConfig]) -> list[TrainConfig]:
         return configs
     picks = {choose_precision("auto", resolve_device(c.device), c.model.d_model)[0] for c in auto}
     chosen = picks.pop() if len(picks) == 1 else "fp32"
-    print(f"[grid] precision auto -> {chosen} for every run", file=sys.stderr, flush=True)
+    if current_dist().is_main:
+        print(f"[grid] precision auto -> {chosen} for every run", file=sys.stderr, flush=True)
     return [dataclasses.replace(c, precision=chosen) if c.precision == "auto" else c for c in configs]
 
 
@@ -196,6 +201,8 @@ def train_point(run_dir: Path) -> str:
         return "interrupted"
     if not (result.diverged or result.step >= cfg.max_steps):
         return "paused"
+    if not current_dist().is_main:  # under torchrun the run trained on every rank; rank 0 marks it done
+        return "done"
     (run_dir / "done.json").write_text(json.dumps({"step": result.step, "diverged": result.diverged}) + "\n",
                                        encoding="utf-8")
     return "done"
@@ -258,17 +265,34 @@ def _run_parallel(todo: list[Path], jobs: int, on_done: Callable[[Path], None]) 
     return failed
 
 
+def join_ranks(base: TrainConfig, jobs: int) -> Dist:
+    """Join torchrun's process group (a no-op in one process): every point then trains on all the ranks.
+    ``jobs > 1`` is refused there: its worker processes would each start a group of their own."""
+    device = resolve_device(base.device, int(os.environ.get("LOCAL_RANK", "0")))
+    d = init_distributed(device, base.dist_timeout)
+    if d.enabled and jobs > 1:
+        raise ConfigError(f"--jobs={jobs} under torchrun: each run of the grid already trains on all "
+                          f"{d.world_size} process(es), one run after another; use --jobs 1 (the default)")
+    return d
+
+
 def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
              on_progress: Callable[[list[RunRecord]], None] | None = None, train: bool = True) -> list[RunRecord]:
     """Train every point of ``grid`` not yet done; return the records of all its points (finished or not).
     ``on_progress`` is called with all records after each run that finishes (e.g. to rewrite the report).
-    ``train=False`` only reads what is there (a report of a grid that another process is still running)."""
+    ``train=False`` only reads what is there (a report of a grid that another process is still running).
+    Under torchrun (joined with :func:`join_ranks`) every rank calls this; only rank 0 writes and prints."""
     if jobs < 1:
         raise ConfigError(f"--jobs={jobs} must be >= 1")
     grid.validate()
     out = Path(out_dir)
     points = grid.points()
     dirs = {p: out / "runs" / p.name for p in points}
+    d = current_dist()
+
+    def say(text: str) -> None:
+        if d.is_main:
+            print(text, file=sys.stderr, flush=True)
 
     warned: set[Path] = set()  # records() runs after every finished run: say each unreadable folder once
 
@@ -277,25 +301,34 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
         for r in recs:
             if r.problem and r.path not in warned:
                 warned.add(r.path)
-                print(f"[grid] {r.path.name} left out of the report: {r.problem}", file=sys.stderr, flush=True)
+                say(f"[grid] {r.path.name} left out of the report: {r.problem}")
         return recs
 
     if not train:
         return records()
     configs = one_precision([point_config(base, grid, p, dirs[p]) for p in points])
-    todo = [dirs[p] for p, cfg in zip(points, configs, strict=True) if prepare_point(cfg, p, dirs[p])]
-    print(f"[grid] {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train "
-          f"({jobs} at a time) -> {out}", file=sys.stderr, flush=True)
+    failed_prepare: ConfigError | None = None
+    try:  # rank 0 writes the point.json files; the other ranks learn whether it could
+        todo = [dirs[p] for p, cfg in zip(points, configs, strict=True)
+                if prepare_point(cfg, p, dirs[p])] if d.is_main else []
+    except ConfigError as e:
+        failed_prepare = e
+    agree(failed_prepare, d, f"preparing the run folders of {out}")
+    if not d.is_main:
+        todo = [dirs[p] for p in points if not (dirs[p] / "done.json").is_file()]
+    at_a_time = f"one at a time, each on all {d.world_size} processes" if d.enabled else f"{jobs} at a time"
+    say(f"[grid] {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train "
+        f"({at_a_time}) -> {out}")
 
     def progress(_: Path) -> None:
-        if on_progress is not None:
+        if on_progress is not None and d.is_main:
             on_progress(records())
 
     failed: list[tuple[Path, int]] = []
     with _sigterm_as_interrupt():
         if jobs == 1:
             for i, run_dir in enumerate(todo, 1):
-                print(f"[grid] {i}/{len(todo)} {run_dir.name}", file=sys.stderr, flush=True)
+                say(f"[grid] {i}/{len(todo)} {run_dir.name}")
                 status = train_point(run_dir)
                 if status == "interrupted":
                     raise KeyboardInterrupt  # stop the whole grid; re-running it continues where it stopped

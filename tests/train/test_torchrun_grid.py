@@ -1,0 +1,90 @@
+"""``compare`` and ``sweep`` under the real ``torchrun`` (2 gloo processes): each run of the grid trains on both
+ranks and rank 0 alone writes and prints, so the grid equals the one a single process makes with the same
+global batch. Every other command runs in one process and is refused under torchrun before it writes
+anything (before, ``export`` ran once per rank: one rank wrote the folder, the other failed on it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from torchrun_helpers import hybridnorm, run, torchrun
+
+from hybridnorm.cli import ONE_PROCESS_COMMANDS, main
+
+needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+
+
+def _compare(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return ["compare", "--placements", "pre,post", "--size", "tiny", "--max-steps", "4", "--seeds", "0",
+            "--out", str(out), f"--data.source={corpus}", "--data.tokenizer=bytes", "--seq_len=32",
+            "--batch_size=4", "--eval_batches=2", "--device=cpu", *extra]
+
+
+def _runs(out: Path) -> dict[str, dict]:
+    return {r["placement"]: r for r in json.loads((out / "runs.json").read_text())["runs"]}
+
+
+@needs_torchrun
+def test_compare_under_torchrun_trains_each_run_on_both_ranks_and_reports_once(corpus, cache_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run(hybridnorm(*_compare(corpus, one, "--global_batch=4")), cache_dir)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ranks = run(torchrun(*_compare(corpus, two, "--global_batch=4")), cache_dir)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+
+    # rank 0 alone speaks: each grid line and the report line once
+    assert ranks.stdout.count("report: ") == 1
+    for line in ("[grid] 1/2 pre-init=megatron-seed0", "[grid] 2/2 post-init=megatron-seed0",
+                 "[grid] precision auto", "[grid] post-init=megatron-seed0: "):
+        assert ranks.stderr.count(line) == 1, line
+    assert "(one at a time, each on all 2 processes)" in ranks.stderr
+
+    a, b = _runs(one), _runs(two)
+    for placement in ("pre", "post"):
+        assert b[placement]["hardware"]["processes"] == 2 and a[placement]["hardware"]["processes"] == 1
+        assert b[placement]["tokens_seen"] == a[placement]["tokens_seen"] == 4 * 4 * 32
+        assert b[placement]["final_val_loss"] == pytest.approx(a[placement]["final_val_loss"], abs=1e-5)
+        assert b[placement]["final_train_loss"] == pytest.approx(a[placement]["final_train_loss"], abs=1e-5)
+        assert json.loads((two / "runs" / f"{placement}-init=megatron-seed0" / "done.json").read_text()) == \
+            {"step": 4, "diverged": False}
+    assert "Hardware that ran them: 2 × cpu" in (two / "summary.md").read_text()
+
+    # the same command again finds the grid done, on both ranks (no rank trains a run the other skips)
+    again = run(torchrun(*_compare(corpus, two, "--global_batch=4")), cache_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[grid] 2 runs, 2 already done, 0 to train" in again.stderr
+
+
+@needs_torchrun
+def test_jobs_under_torchrun_and_one_process_commands_are_refused_before_writing(corpus, cache_dir, tmp_path):
+    out = tmp_path / "grid"
+    jobs = run(torchrun(*_compare(corpus, out, "--jobs", "2")), cache_dir)
+    assert jobs.returncode != 0 and not out.exists()
+    assert jobs.stderr.count("error: --jobs=2 under torchrun: each run of the grid already trains on all 2") == 2
+
+    src = tmp_path / "run"
+    made = run(hybridnorm("train", "--size", "tiny", "--max-steps", "1", "--out", str(src),
+                          f"--data.source={corpus}", "--data.tokenizer=bytes", "--seq_len=32", "--batch_size=4",
+                          "--eval_batches=1", "--device=cpu"), cache_dir)
+    assert made.returncode == 0, made.stderr[-3000:]
+    export = run(torchrun("export", str(src), "--to", "hf", str(tmp_path / "hf")), cache_dir)
+    assert export.returncode != 0 and not (tmp_path / "hf").exists()
+    assert export.stderr.count("error: hybridnorm export runs in one process, but torchrun started 2") == 2
+    assert "hybridnorm/" not in export.stderr  # no traceback of ours (torchrun prints its own summary)
+
+
+@pytest.mark.parametrize("command", ONE_PROCESS_COMMANDS)
+def test_every_one_process_command_is_refused_in_a_multi_process_world(command, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "x", "--out", "y"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: hybridnorm {command} runs in one process, but torchrun started 2 (WORLD_SIZE=2), "
+                   "which would each run it and write the same files; run it without torchrun (train, compare "
+                   "and sweep are the commands that use several processes)"]
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process: every command runs
+    assert main(["placements"]) == 0
