@@ -107,6 +107,29 @@ def test_each_damaged_file_is_one_error_naming_it(tmp_path, culprit, content, me
     assert _snapshot(run) == before
 
 
+@pytest.mark.parametrize("content", [None, b'{"kind": "meta"', json.dumps(RECORDS[0]).encode() + b"\n",
+                                     json.dumps(RECORDS[2]).encode() + b"\n"])
+def test_a_finished_run_whose_log_is_lost_is_unreadable_not_stalled(tmp_path, content):
+    """done.json with no training record to judge (the log deleted, cut to a torn line, or only meta/eval
+    records): once judged 'stalled (no loss logged)', a verdict about the model that the files cannot
+    support. Now it is left out of the verdicts, and the report's row says why."""
+    run = _good_run(tmp_path)
+    metrics = run / "metrics.jsonl"
+    if content is None:
+        metrics.unlink()
+    else:
+        metrics.write_bytes(content)
+    with pytest.raises(ConfigError, match="yet the run is marked finished") as e:
+        read_run(run)
+    assert str(metrics) in str(e.value)
+    (rec,) = run_grid(TrainConfig().with_overrides(["--max_steps=10"]), GRID, tmp_path, train=False)
+    assert rec.to_record(tmp_path)["verdict"] is None
+    text = write_report([rec], tmp_path, baseline="pre").read_text()
+    row = next(x for x in text.splitlines() if x.startswith(f"| {run.name} "))
+    assert "| *unreadable* |" in row and "yet the run is marked finished" in row
+    assert "| stalled |" not in text and "no loss logged" not in text
+
+
 def test_a_cut_last_line_is_skipped_not_refused(tmp_path):
     run = _good_run(tmp_path)
     with (run / "metrics.jsonl").open("a") as f:

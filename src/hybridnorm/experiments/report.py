@@ -241,10 +241,11 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
     for r in runs:
         rec = r.to_record()
         knobs = ", ".join(f"{k}={v}" for k, v in r.knobs.items()) or "—"
-        status = rec["verdict"] if r.done else "*unfinished*"
+        status = rec["verdict"] if r.done else "*unreadable*" if r.problem else "*unfinished*"
+        why = rec["verdict_reason"] if r.done else (r.problem or "").replace("|", "/")
         lines.append(f"| {r.path.name} | `{r.placement}` | {rec['init']} | {knobs} | {r.seed} | {status} | "
                      f"{_f(rec['final_val_loss'])} | {_f(rec['final_train_loss'])} | {rec['tokens_seen'] or 0:,} | "
-                     f"{rec['verdict_reason'] if r.done else ''} |")
+                     f"{why} |")
     lines += ["", "Machine-readable: `runs.json` (one record per run, and the group statistics).", ""]
     if done:
         lines += ["![loss curves](loss_curves.png)", "", "![gradient norm by depth](grad_norm_by_depth.png)", "",

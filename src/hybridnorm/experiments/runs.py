@@ -306,6 +306,10 @@ def read_run(path: str | Path, placement: str | None = None, seed: int | None = 
     div = path / "divergence.json"
     if div.is_file():
         rec.divergence = read_file(div, "divergence report")
+    if rec.done and not rec.train and rec.divergence is None:  # judged on nothing, it would read as "stalled"
+        state = "holds no training record" if metrics.is_file() else "is missing"
+        raise ConfigError(f"metrics file {metrics} {state}, yet the run is marked finished (done.json): its log "
+                          "was lost or cut short, so it cannot be judged; delete the run folder to retrain it")
     return rec
 
 
