@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, str]] = [
     ("hybridnorm.loading", "load_run opens a run OR an HF folder, so it sits above both"),
     ("hybridnorm.eval", "scoring, perplexity and lm-eval on a loaded run"),
     ("hybridnorm.experiments", "grids of training runs, verdicts and reports"),
+    ("hybridnorm.cli_parser", "the command line's options and help; the commands are passed in"),
     ("hybridnorm.cli", "the command line: may import everything"),
 ]
 

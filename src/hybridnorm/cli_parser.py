@@ -1,0 +1,133 @@
+"""The ``hybridnorm`` argument parser: every command's options and help, nothing that runs (``cli.py``)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+
+from hybridnorm.errors import OneLineArgumentParser
+
+
+def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]], int]]) -> argparse.ArgumentParser:
+    """The parser of every command; ``commands`` maps a command name to the function that runs it."""
+    ap = OneLineArgumentParser(prog="hybridnorm", description="Normalization placements for decoder-only LMs.")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    # --debug is accepted after the command too (`hybridnorm train --debug`); SUPPRESS keeps the
+    # subcommand from resetting a --debug given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", parents=[common],
+                       help="train a model (default: small HybridNorm* on the embedded KJV corpus)",
+                       description="Extra --key=value options override any config field, e.g. --optim.lr=1e-3 "
+                                   "--model.n_layers=8 --precision=fp32.")
+    t.add_argument("config", nargs="?", help="YAML train config (optional)")
+    t.add_argument("--size", help="model size preset (tiny, small, 151m, 550m, ...)")
+    t.add_argument("--placement", help="placement preset or grammar name (see `hybridnorm placements`)")
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--out", help="run folder (default runs/default)")
+    t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    t.set_defaults(func=commands["train"])
+
+    for name, help_text in (("compare", "train several placements side by side and write a report folder"),
+                           ("sweep", "train placements over a grid of knobs and report where each one stops training")):
+        c = sub.add_parser(name, parents=[common], help=help_text,
+                           description=f"{help_text}. Extra --key=value options override any config field. "
+                                       "Re-running the same command skips finished runs and continues "
+                                       "interrupted ones.")
+        c.add_argument("config", nargs="?", help="YAML train config (optional)")
+        c.add_argument("--placements", required=True, help="comma-separated presets or grammar names")
+        c.add_argument("--size", help="model size preset (tiny, small, 151m, ...)")
+        c.add_argument("--max-steps", type=int)
+        c.add_argument("--out", help="report folder")
+        c.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+        c.add_argument("--init", help="comma-separated init axis: paper (each placement's paper default: "
+                                      "confounds init with placement), normal, megatron, depth_scaled, deepnorm. "
+                                      "Default: one init for all, megatron (or --model.init if given)")
+        c.add_argument("--axis", action="append", metavar="KEY=V1,V2",
+                       help="a grid axis over any config field (lr, depth, warmup, steps, clip aliases, or dotted "
+                            "names like optim.lr); repeat for a grid over several knobs")
+        if name == "sweep":
+            c.add_argument("--knob", help="one axis (same as --axis KNOB=VALUES)")
+            c.add_argument("--values", help="comma-separated values of --knob")
+        c.add_argument("--warmup-frac", type=float, help="warmup steps as a fraction of max_steps at every point")
+        c.add_argument("--baseline", help="placement the others are compared with (default: the first)")
+        c.add_argument("--jobs", type=int, default=1, help="runs trained side by side, cores split between them")
+        c.add_argument("--report-only", action="store_true",
+                       help="train nothing: rewrite the report from the runs finished so far")
+        c.set_defaults(func=commands[name])
+
+    g = sub.add_parser("generate", parents=[common], help="sample text from a run folder or checkpoint")
+    g.add_argument("checkpoint")
+    g.add_argument("--prompt", default="In the beginning")
+    g.add_argument("--max-new-tokens", type=int, default=100)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=50, help="0: sample from the whole vocabulary")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=commands["generate"])
+
+    e = sub.add_parser("eval", parents=[common], help="evaluate a checkpoint: validation loss (default), "
+                       "multiple choice, document perplexity, lm-eval tasks",
+                       description="Without --mc/--text/--tasks: the validation loss and perplexity of the run's "
+                                   "corpus (or --data). With them: those evaluations, printed as one table.")
+    e.add_argument("checkpoint")
+    e.add_argument("--data", help="corpus (default: the run's own validation split)")
+    e.add_argument("--batches", type=int, help="validation loss: score N batches of --batch-size (default: the "
+                   "windows the run's training validated on, eval_batches x global_batch, so the loss is its log's)")
+    e.add_argument("--batch-size", type=int, help="default: the run's batch_size for the validation loss, 8 for "
+                   "--mc/--text/--tasks")
+    e.add_argument("--seq-len", type=int)
+    e.add_argument("--mc", metavar="FILE.jsonl",
+                   help="zero-shot multiple choice on HellaSwag-style JSONL (context, endings, label): acc, acc_norm")
+    e.add_argument("--text", metavar="FILE",
+                   help="perplexity, bits per byte and word perplexity of a .txt/.jsonl file, a folder, or 'kjv'")
+    e.add_argument("--tasks", help="comma-separated lm-eval tasks (the shipped kjv_mc is always found); "
+                                   "needs pip install 'hybridnorm[eval]'")
+    e.add_argument("--include-path", metavar="DIR", help="folder of extra lm-eval task YAML files")
+    e.add_argument("--limit", type=int, help="first N items of each task / of --mc")
+    e.add_argument("--num-fewshot", type=int, help="lm-eval few-shot examples (default: the task's, or 0)")
+    e.add_argument("--device", help="cpu, cuda, cuda:N (default: where the run loads, the CPU)")
+    e.add_argument("--output", metavar="FILE.json", help="also write all results (per item for --mc) as JSON")
+    e.set_defaults(func=commands["eval"])
+
+    x = sub.add_parser("export", parents=[common], help="export a run or checkpoint as a Hugging Face model folder",
+                       description="Placements that a stock transformers class computes exactly (pre -> Llama, "
+                                   "qk_norm -> Qwen3, olmo2 -> OLMo-2, MoE -> Mixtral/Qwen3-MoE/OLMoE/FlexOlmo) "
+                                   "export to it; every other one exports with hybridnorm's own class.")
+    x.add_argument("checkpoint", help="run folder or checkpoints/step_* folder")
+    x.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"), required=True, help="hf DIR")
+    x.add_argument("--arch", default="auto", help="auto (default), hybridnorm (own class), or a stock "
+                                                   "model_type: llama, qwen3, olmo2, mixtral, qwen3_moe, ...")
+    x.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    x.set_defaults(func=commands["export"])
+
+    i = sub.add_parser("import", parents=[common], help="turn a local Hugging Face model folder into a run folder")
+    i.add_argument("hf_dir", help="folder with config.json, weights and tokenizer.json (Llama, Qwen3, OLMo-2, "
+                                  "Mixtral, Qwen3-MoE, OLMoE, FlexOlmo or hybridnorm's own)")
+    i.add_argument("--out", required=True, help="new run folder")
+    i.add_argument("--allow-pickle", action="store_true",
+                   help="read pickle weights (pytorch_model.bin, *.pt) with torch.load(weights_only=True) when "
+                        "the folder has no safetensors; refused by default: unpickling can run code")
+    i.set_defaults(func=commands["import"])
+
+    sub.add_parser("gradprofile", add_help=False,  # its options: python -m hybridnorm.experiments.gradprofile
+                   help="per-block gradient norms at step 1 at the paper's sizes (Figure 2); --help for options")
+    p = sub.add_parser("placements", parents=[common], help="list placement presets with their equations")
+    p.add_argument("--all", action="store_true", help="also the paper's grammar names")
+    p.set_defaults(func=commands["placements"])
+
+    m = sub.add_parser("plan", parents=[common], help="memory per GPU (DDP, FSDP), largest micro-batch, grad_accum")
+    m.add_argument("--size", default="1.2b", help="model size preset")
+    m.add_argument("--gpus", type=int, default=8)
+    m.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    m.add_argument("--seq-len", type=int, default=4096)
+    m.add_argument("--micro-batch", type=int, help="sequences per GPU (default: the largest that fits under FSDP)")
+    m.add_argument("--global-batch-tokens", type=int, default=4 * 2**20, help="target tokens per step")
+    m.add_argument("--precision", default="bf16", help="bf16 (autocast) or fp32")
+    m.add_argument("--placement", default="hybridnorm_star")
+    m.add_argument("--loss", default="fast", help="LM head + loss: fast (fused) or plain (fast_kernels=false)")
+    m.set_defaults(func=commands["plan"])
+    # the options each config-taking command owns: any other --key is a config override
+    ap.own_options = {name: set(sub.choices[name]._option_string_actions) for name in ("train", "compare", "sweep")}
+    return ap
