@@ -64,6 +64,9 @@ def test_jobs_under_torchrun_and_one_process_commands_are_refused_before_writing
     jobs = run(torchrun(*_compare(corpus, out, "--jobs", "2")), cache_dir)
     assert jobs.returncode != 0 and not out.exists()
     assert jobs.stderr.count("error: --jobs=2 under torchrun: each run of the grid already trains on all 2") == 2
+    fsdp = run(torchrun(*_compare(corpus, out, "--parallel=fsdp")), cache_dir)
+    assert fsdp.returncode != 0 and not out.exists()
+    assert fsdp.stderr.count("error: parallel='fsdp' in a grid: its verdicts and depth plots need per-layer") == 2
 
     src = tmp_path / "run"
     made = run(hybridnorm("train", "--size", "tiny", "--max-steps", "1", "--out", str(src),

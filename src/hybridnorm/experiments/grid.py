@@ -16,9 +16,10 @@ value is one init for every placement. ``warmup_frac`` sets ``optim.warmup_steps
 hybridnorm.experiments.grid RUN_DIR``) with the machine's cores split between them. Ctrl-C or SIGTERM stops
 every worker after its current step with a checkpoint; running the command again continues.
 
-Under ``torchrun`` (:func:`join_ranks`) the points train one after another, each on every rank (DDP or FSDP as
-the config says, the global batch split over the ranks as in ``train``); rank 0 alone writes the grid's files
-(``point.json``, ``done.json``, the report) and prints, so N ranks make the grid that one process makes.
+Under ``torchrun`` (:func:`join_ranks`) the points train one after another, each on every rank with DDP (FSDP
+runs collect no per-layer diagnostics, which the verdicts need), the global batch split over the ranks as in
+``train``; rank 0 alone writes the grid's files (``point.json``, ``done.json``, the report) and prints, so N
+ranks make the grid that one process makes.
 """
 
 from __future__ import annotations
@@ -273,6 +274,9 @@ def join_ranks(base: TrainConfig, jobs: int) -> Dist:
     if d.enabled and jobs > 1:
         raise ConfigError(f"--jobs={jobs} under torchrun: each run of the grid already trains on all "
                           f"{d.world_size} process(es), one run after another; use --jobs 1 (the default)")
+    if d.enabled and base.parallel == "fsdp":  # refused here, before any run folder is written
+        raise ConfigError("parallel='fsdp' in a grid: its verdicts and depth plots need per-layer diagnostics, "
+                          "which FSDP runs do not collect; use parallel='ddp' (the default) for compare/sweep")
     return d
 
 
