@@ -243,3 +243,29 @@ def test_weights_that_are_not_the_configs_model_are_refused_not_randomly_filled(
         needle = "model.embed_tokens.weight has shape (257, 64), the config implies (100, 64)"
     line = _import_err(["import", str(folder), "--out", str(tmp_path / "r")], capsys)
     assert needle in line and str(folder) in line
+
+
+@pytest.mark.parametrize("slow", [None, "tokenizer.model", "vocab.json"])
+@pytest.mark.parametrize("command", ["import", "generate"])
+def test_a_folder_without_tokenizer_json_is_one_error_that_says_how_to_convert(llama_dir, tmp_path: Path, capsys,
+                                                                              slow: str | None, command: str) -> None:
+    """A Llama-2-style folder ships only SentencePiece's tokenizer.model: the error says how transformers
+    writes the tokenizer.json we read (the conversion itself is transformers', never run by us)."""
+    folder = tmp_path / "no_tok"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((llama_dir[0] / name).read_bytes())
+    if slow is not None:
+        (folder / slow).write_bytes(b"\x0a\x05<unk>")
+    argv = ["import", str(folder), "--out", str(tmp_path / "run")] if command == "import" else \
+        ["generate", str(folder), "--max-new-tokens", "2"]
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{folder} has no tokenizer.json" in line
+    if slow is None:
+        assert "transformers converts" not in line
+    else:
+        assert f"it has {slow}, which transformers converts" in line
+        assert f"AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')" in line
+    assert not (tmp_path / "run").exists() and sorted(p.name for p in folder.iterdir()) == \
+        sorted(["config.json", "model.safetensors", *([slow] if slow else [])])

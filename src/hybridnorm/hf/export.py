@@ -171,13 +171,21 @@ def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM
     return model.eval(), cfg.model_type
 
 
+# slow-tokenizer files of a folder without tokenizer.json (SentencePiece; GPT-2 style BPE)
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "vocab.json")
+
+
 def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     """A local HF folder as a :class:`~hybridnorm.train.run.Run` (model, tokenizer, a TrainConfig whose
     tokenizer is the folder's), so ``hybridnorm generate|eval`` take HF folders as they take runs."""
     path = _hf_folder(path)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
-        raise ConfigError(f"{path} has no tokenizer.json (a fast tokenizer is needed to use the model)")
+        slow = next((n for n in SLOW_TOKENIZER_FILES if (path / n).is_file()), None)
+        how = (f"; it has {slow}, which transformers converts (hybridnorm does not read it): "
+               f"python -c \"from transformers import AutoTokenizer; AutoTokenizer.from_pretrained('{path}')"
+               f".save_pretrained('{path}')\" writes tokenizer.json") if slow else ""
+        raise ConfigError(f"{path} has no tokenizer.json (a fast tokenizer is needed to use the model){how}")
     model, _ = load_hf(path, allow_pickle=allow_pickle)
     tokenizer = load_tokenizer(tok_file)
     mc: ModelConfig = model.config
