@@ -25,6 +25,8 @@ without a GPU; it pays only on tensor cores with float8 (compute capability 8.9+
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,7 +47,20 @@ def float8_unsupported(precision: str, device: torch.device) -> str | None:
                 f"cores: they need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ada, Hopper)")
     if device.type not in ("cuda", "cpu"):
         return f"torch._scaled_mm is not available on {device.type}"
+    if device.type == "cpu" and not _cpu_scaled_mm_runs():
+        return f"this torch ({torch.__version__}) has no CPU kernel for torch._scaled_mm (newer releases have one)"
     return None
+
+
+@functools.cache
+def _cpu_scaled_mm_runs() -> bool:
+    """Whether torch._scaled_mm runs on the CPU in this torch (it has no CPU kernel in older releases)."""
+    a, one = torch.zeros(16, 16, dtype=E4M3), torch.ones((), dtype=torch.float32)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def to_float8(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
