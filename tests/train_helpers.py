@@ -10,6 +10,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,10 @@ import torch.multiprocessing as mp
 
 from hybridnorm.config import SIZES
 from hybridnorm.nn.block import Block
+
+# torchrun of the interpreter running the tests (``torchrun`` on PATH may belong to another Python with another
+# torch: a test in a venv then compared its own torch with the system's, and failed on their numbers)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 WORDS = ("the lord said unto moses and aaron go forth into a land of milk and honey where the people shall "
          "keep my law by day and by night for they are my people and i am their god behold the river ran "

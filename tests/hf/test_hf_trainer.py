@@ -125,7 +125,9 @@ def test_label_smoothing_scores_the_next_token_as_for_a_stock_model(tmp_path: Pa
     loss, update = one_trainer_step(tmp_path / "a", ours, 8 // accum, accum, label_smoothing_factor=0.1)
     loss_ref, update_ref = one_trainer_step(tmp_path / "b", llama, 8 // accum, accum, label_smoothing_factor=0.1)
     assert loss == pytest.approx(loss_ref, rel=1e-5)
-    assert loss != pytest.approx(one_trainer_step(tmp_path / "c", make("pre"), 8 // accum, accum)[0], rel=1e-3)
+    # the premise: the equality above tells smoothing from none (on a near-uniform random model the two differ
+    # by ~1e-4 relative, how much depends on the torch build; rel=1e-3 here failed on torch 2.9)
+    assert loss != pytest.approx(one_trainer_step(tmp_path / "c", make("pre"), 8 // accum, accum)[0], rel=1e-5)
     key, ref_key = "model.embed.weight", "model.embed_tokens.weight"
     assert torch.allclose(update[key], update_ref[ref_key], rtol=1e-4, atol=1e-6)
 

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("accelerate", reason="Trainer needs accelerate (in the dev extra)")
-from train_helpers import run_bounded  # tests/: a subprocess killed with its children if it hangs
+from train_helpers import TORCHRUN, run_bounded  # tests/: a subprocess killed with its children if it hangs
 
 WORKER = str(Path(__file__).with_name("trainer_worker.py"))
 
@@ -33,6 +33,6 @@ def test_trainer_under_torchrun_equals_one_process(tmp_path: Path, placement: st
     one = losses([sys.executable, WORKER, placement, "single", moe], tmp_path / "one")
     assert len(one) == 4 and one[-1] < one[0]
     for mode in ("ddp", "fsdp2"):
-        two = losses(["torchrun", "--standalone", "--nproc_per_node", "2", WORKER, placement, mode, moe],
+        two = losses([*TORCHRUN, "--standalone", "--nproc_per_node", "2", WORKER, placement, mode, moe],
                      tmp_path / mode)
         assert two == pytest.approx(one, rel=1e-5), mode

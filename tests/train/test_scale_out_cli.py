@@ -5,17 +5,16 @@ with the logits of our own model."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from train_helpers import read_metrics, tiny_overrides
+from train_helpers import TORCHRUN, read_metrics, tiny_overrides
 
 from hybridnorm import cli
 
-pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
 
 
 def test_fsdp_run_resumes_in_one_process_and_exports(corpus, cache_dir, no_peak_measure, tmp_path):
@@ -24,7 +23,7 @@ def test_fsdp_run_resumes_in_one_process_and_exports(corpus, cache_dir, no_peak_
     # 2 ranks x batch 2 = the global batch of 1 process x batch 4 below
     args = [*tiny_overrides(corpus, cache_dir, out), "--batch_size=2", "--ckpt_interval=5", "--max_steps=10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["torchrun", "--nproc_per_node", "2", "-m", "hybridnorm.cli", "train", "--parallel=fsdp",
+    proc = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", "-m", "hybridnorm.cli", "train", "--parallel=fsdp",
                            *args], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("final: step 10") == 1  # one summary, from rank 0

@@ -8,13 +8,13 @@ change of world size by deriving the split, and TensorBoard shows the same steps
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
+import torch
 from torchrun_helpers import hybridnorm, run, tensorboard_steps, torchrun
-from train_helpers import read_metrics
+from train_helpers import TORCHRUN, read_metrics
 
-pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_one_rank_torchrun_fsdp_shards_and_resumes_exactly(kjv_cache, tmp_path):
     losses as one plain process (fp32 on the CPU: FSDP over one rank changes only the order of a few sums,
     the gradient norm's among them: 1 fp32 ulp seen), and a stop at step 3 resumed to 6 equal to 6 straight
     steps, bit for bit."""
-    one = ["torchrun", "--standalone", "--nproc_per_node", "1", "-m", "hybridnorm.cli"]
+    one = [*TORCHRUN, "--standalone", "--nproc_per_node", "1", "-m", "hybridnorm.cli"]
     common = ("train", "--size", "tiny", "--parallel=fsdp", "--max-steps", "6", "--ckpt_interval=3",
               "--log_interval=1", "--eval_interval=1000")
     straight, resumed, plain = tmp_path / "straight", tmp_path / "resumed", tmp_path / "plain"

@@ -7,7 +7,6 @@ saved and exited 130; the run then resumes from its newest complete checkpoint."
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import time
@@ -15,11 +14,11 @@ import time
 import pytest
 import torch
 from torchrun_helpers import alive, hybridnorm, run, start, torchrun, wait_for, workers
-from train_helpers import kill_tree, read_metrics
+from train_helpers import TORCHRUN, kill_tree, read_metrics
 
 from hybridnorm.train.checkpoint import check_checkpoint, latest_checkpoint
 
-pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
 
 TINY = ("train", "--size", "tiny", "--parallel=fsdp", "--log_interval=5")
 
@@ -58,7 +57,7 @@ def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(e
     # each worker is wrapped in a shell that records its exit status; the shell's own no-op trap lets it
     # outlive the signal torchrun sends to the whole worker process group
     inner = " ".join(f"'{a}'" for a in [sys.executable, "-m", "hybridnorm.cli", *args])
-    wrapped = ["torchrun", "--nproc_per_node", "2", "--no-python", "bash", "-c",
+    wrapped = [*TORCHRUN, "--nproc_per_node", "2", "--no-python", "bash", "-c",
                f"trap : TERM INT; {inner}; echo $? > {tmp_path}/rc.$RANK"]
     proc = start(wrapped, kjv_cache, log)
     wait_for(log, "step 30 ", proc)
@@ -156,7 +155,7 @@ def test_a_rank_killed_mid_save_ends_the_job_and_the_half_written_checkpoint_is_
     is the newest, the half-written one is only a temporary folder, which the resumed run's first save clears."""
     out, log, pidfile, script = tmp_path / "R", tmp_path / "log", tmp_path / "pid", tmp_path / "held_save.py"
     script.write_text(HELD_SAVE, encoding="utf-8")
-    cmd = ["torchrun", "--nproc_per_node", "2", str(script), str(pidfile), *TINY, "--max-steps", "5000",
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", str(script), str(pidfile), *TINY, "--max-steps", "5000",
            "--ckpt_interval=20", "--out", str(out)]
     proc = start(cmd, kjv_cache, log)
     deadline = time.monotonic() + 240

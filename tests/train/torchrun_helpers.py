@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import kill_tree, run_bounded
+from train_helpers import TORCHRUN, kill_tree, run_bounded
 
 
 def env(cache: Path) -> dict[str, str]:
@@ -19,7 +19,7 @@ def env(cache: Path) -> dict[str, str]:
 
 
 def torchrun(*args: str) -> list[str]:
-    return ["torchrun", "--nproc_per_node", "2", "-m", "hybridnorm.cli", *args]
+    return [*TORCHRUN, "--nproc_per_node", "2", "-m", "hybridnorm.cli", *args]
 
 
 def hybridnorm(*args: str) -> list[str]:
