@@ -235,8 +235,12 @@ ONE_PROCESS_COMMANDS = ("generate", "eval", "export", "import", "gradprofile", "
 def _one_process_only(command: str | None) -> str | None:
     """Why ``command`` must not run under a torchrun of several processes, or None. Only train, compare and
     sweep use torchrun's ranks; every other command would run once per rank, each writing the same files."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world <= 1 or command not in ONE_PROCESS_COMMANDS:
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:  # not torchrun's (it writes an integer): nothing to refuse
+        return None
+    # torchrun sets RANK beside WORLD_SIZE; a WORLD_SIZE exported alone (a job script's) launches nothing
+    if world <= 1 or "RANK" not in os.environ or command not in ONE_PROCESS_COMMANDS:
         return None
     return (f"hybridnorm {command} runs in one process, but torchrun started {world} (WORLD_SIZE={world}), "
             f"which would each run it and write the same files; run it without torchrun (train, compare and "

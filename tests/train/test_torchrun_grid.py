@@ -82,6 +82,7 @@ def test_jobs_under_torchrun_and_one_process_commands_are_refused_before_writing
 @pytest.mark.parametrize("command", ONE_PROCESS_COMMANDS)
 def test_every_one_process_command_is_refused_in_a_multi_process_world(command, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
     monkeypatch.chdir(tmp_path)
     assert main([command, "x", "--out", "y"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -90,4 +91,9 @@ def test_every_one_process_command_is_refused_in_a_multi_process_world(command, 
                    "and sweep are the commands that use several processes)"]
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process: every command runs
+    assert main(["placements"]) == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a WORLD_SIZE a job script exported, with no rank: not torchrun's
+    monkeypatch.delenv("RANK")
+    assert main(["placements"]) == 0
+    monkeypatch.setenv("WORLD_SIZE", "two")
     assert main(["placements"]) == 0
