@@ -21,7 +21,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.experiments import plots, verdict
 from hybridnorm.experiments.runs import RunRecord, set_peer_gains
 from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
-from hybridnorm.train.optim import OptimConfig, lr_at
+from hybridnorm.train.optim import OptimConfig, unreached_peak
 from hybridnorm.train.provenance import describe as describe_code
 from hybridnorm.train.provenance import describe_hardware
 
@@ -37,9 +37,9 @@ def _short_warmup(config: dict[str, Any]) -> str:
         cfg = OptimConfig.from_dict(o)
     except ConfigError:  # a config written by other code: say nothing rather than guess
         return ""
-    if steps < 1 or cfg.warmup_steps <= steps:
+    if (peak := unreached_peak(cfg, steps)) is None:
         return ""
-    return f" (the whole run: lr peaks at {lr_at(steps - 1, cfg, steps):.3g}, never at {cfg.lr:g})"
+    return f" (the whole run: lr peaks at {peak:.3g}, never at {cfg.lr:g})"
 
 
 def group_key(r: RunRecord) -> tuple:

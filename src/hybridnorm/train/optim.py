@@ -100,12 +100,18 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def short_warmup_note(cfg: OptimConfig, max_steps: int) -> str | None:
-    """A warning when the warmup is longer than the run: the learning rate then rises the whole run and
-    ``cfg.lr`` is never reached, which a reader of the run's lr line would not guess."""
+def unreached_peak(cfg: OptimConfig, max_steps: int) -> float | None:
+    """The highest learning rate a run of ``max_steps`` reaches when its warmup is longer than the run (the
+    rate then rises the whole run and ``cfg.lr`` is never reached), else None."""
     if cfg.warmup_steps <= max_steps or max_steps < 1:
         return None
-    peak = lr_at(max_steps - 1, cfg, max_steps)
+    return lr_at(max_steps - 1, cfg, max_steps)
+
+
+def short_warmup_note(cfg: OptimConfig, max_steps: int) -> str | None:
+    """The run log's warning for :func:`unreached_peak`: a reader of the lr line would not guess it."""
+    if (peak := unreached_peak(cfg, max_steps)) is None:
+        return None
     return (f"optim.warmup_steps={cfg.warmup_steps} > max_steps={max_steps}: the learning rate rises the "
             f"whole run, to {peak:.3g} at the last step; optim.lr={cfg.lr:g} is never reached")
 
