@@ -48,6 +48,7 @@ def _join_spaced_overrides(argv: list[str], own_options: set[str]) -> list[str]:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.train.distributed import leave
     from hybridnorm.train.preflight import check_output_folder
     from hybridnorm.train.trainer import train
 
@@ -55,6 +56,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     # the trainer applies the same rule to out_dir alone; here it also knows the corpus folder it reads
     check_output_folder(cfg.out_dir, "out_dir (--out)", may_hold=("run",), inputs=[cfg.data.source])
     result = train(cfg, resume=args.resume)  # under main's process_signals
+    leave()  # under torchrun: every rank leaves the group together
     if result.diverged:
         return EXIT_DIVERGED
     if result.interrupted:
@@ -121,9 +123,10 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
                                                    if a != "--report-only"]),  # the command that trains it
                              title="Placement comparison" if args.command == "compare" else "Placement sweep",
                              train=not args.report_only)
-    from hybridnorm.train.distributed import current_dist
+    from hybridnorm.train.distributed import current_dist, leave
     if current_dist().is_main:
         print(f"report: {summary}")
+    leave()  # under torchrun: every rank leaves the group together
     return 0
 
 

@@ -107,12 +107,11 @@ def test_a_failing_worker_is_reported_and_the_rest_of_the_grid_runs(make_cfg, tm
     real = grid_mod.prepare_point
 
     def sabotage(cfg, point, run_dir):
-        todo = real(cfg, point, run_dir)
+        real(cfg, point, run_dir)
         if point.placement == "post":
             spec = json.loads((run_dir / "point.json").read_text())
             spec["config"]["model"]["placement"] = "no_such_placement"
             (run_dir / "point.json").write_text(json.dumps(spec))
-        return todo
 
     grid_mod.prepare_point = sabotage
     try:

@@ -48,9 +48,14 @@ def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: 
         failed = e
     agree(failed, d, f"checking the report folder {out}")
     runs = run_grid(base, grid, out, jobs=jobs, on_progress=report, train=train)
-    if d.is_main:  # rank 0 alone reports under torchrun
-        print_verdicts(runs)
-        report(runs)
+    failed = None
+    try:
+        if d.is_main:  # rank 0 alone reports under torchrun
+            print_verdicts(runs)
+            report(runs)
+    except Exception as e:  # re-raised by agree() on this rank; the others learn it failed, not wait for it
+        failed = e
+    agree(failed, d, f"writing the report in {out}")
     return out / "summary.md"
 
 

@@ -166,8 +166,8 @@ def one_precision(configs: list[TrainConfig]) -> list[TrainConfig]:
     return [dataclasses.replace(c, precision=chosen) if c.precision == "auto" else c for c in configs]
 
 
-def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> bool:
-    """Write ``point.json`` (or check the one there); True when the run still has to train."""
+def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> None:
+    """Write ``point.json``, or check that the one there is this point's with this config."""
     want = {"point": point.to_dict(), "config": json.loads(json.dumps(cfg.to_dict()))}
     path = run_dir / "point.json"
     if path.is_file():
@@ -184,7 +184,6 @@ def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> bool:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(want, indent=1), encoding="utf-8")
         tmp.replace(path)
-    return not (run_dir / "done.json").is_file()
 
 
 def train_point(run_dir: Path) -> str:
@@ -313,13 +312,13 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
     configs = one_precision([point_config(base, grid, p, dirs[p]) for p in points])
     failed_prepare: ConfigError | None = None
     try:  # rank 0 writes the point.json files; the other ranks learn whether it could
-        todo = [dirs[p] for p, cfg in zip(points, configs, strict=True)
-                if prepare_point(cfg, p, dirs[p])] if d.is_main else []
+        if d.is_main:
+            for p, cfg in zip(points, configs, strict=True):
+                prepare_point(cfg, p, dirs[p])
     except ConfigError as e:
         failed_prepare = e
     agree(failed_prepare, d, f"preparing the run folders of {out}")
-    if not d.is_main:
-        todo = [dirs[p] for p in points if not (dirs[p] / "done.json").is_file()]
+    todo = [dirs[p] for p in points if not (dirs[p] / "done.json").is_file()]  # what every rank trains
     at_a_time = f"one at a time, each on all {d.world_size} processes" if d.enabled else f"{jobs} at a time"
     say(f"[grid] {len(points)} runs, {len(points) - len(todo)} already done, {len(todo)} to train "
         f"({at_a_time}) -> {out}")

@@ -123,3 +123,12 @@ def agree(failed: BaseException | None, d: Dist, what: str) -> None:
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()
+
+
+def leave() -> None:
+    """Leave the process group once every rank has got here (a no-op outside one), so that no rank exits
+    while another still holds it: a rank that did could abort in gloo's teardown ("terminate called without
+    an active exception", exit -6; seen on a grid re-run with nothing left to train)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
