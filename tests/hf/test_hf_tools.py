@@ -1,12 +1,17 @@
 """An exported HybridNorm* run in the tools users hand it to, through their own entry points: a greedy
 ``generate()`` equals ``hybridnorm generate --temperature 0`` token for token (cached and uncached, one
 prompt and a left-padded batch), ``pipeline("text-generation")`` prints the same text, and lm-eval's
-``--model hf`` backend scores every request as ``hybridnorm eval --tasks`` does."""
+``--model hf`` backend, in process and from its own command line with ``trust_remote_code=True``, scores
+every request as ``hybridnorm eval --tasks`` does."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +87,32 @@ def test_lm_eval_hf_backend_scores_like_hybridnorm_eval_tasks(trained_run: Path,
         assert x == pytest.approx(y, rel=1e-5, abs=1e-4)
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["results"]["kjv_mc"][metric] == theirs["results"]["kjv_mc"][metric]
+
+
+def test_lm_eval_command_line_with_trust_remote_code_scores_like_hybridnorm_eval(
+        trained_run: Path, exported: Path, tmp_path: Path) -> None:
+    """docs/evaluation.md's route for a placement without a stock class, as a user types it: lm-eval's own
+    command line in a fresh process (nothing of ours imported first), our class reached only through the
+    folder's ``auto_map`` and ``trust_remote_code=True``. Its logged per-request log-likelihoods must be
+    ours."""
+    pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+    pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (in the dev extra)")
+    from hybridnorm.eval.lm_eval_adapter import run_lm_eval
+    from hybridnorm.eval.paths import TASKS_DIR
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+           f"pretrained={exported},trust_remote_code=True", "--tasks", "kjv_mc", "--include_path", str(TASKS_DIR),
+           "--limit", "5", "--device", "cpu", "--batch_size", "2", "--log_samples", "--output_path",
+           str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (samples,) = (tmp_path / "out").rglob("samples_kjv_mc_*.jsonl")
+    theirs = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines()]
+    theirs.sort(key=lambda s: s["doc_id"])
+    ours = run_lm_eval(trained_run, ["kjv_mc"], limit=5, log_samples=True)["samples"]["kjv_mc"]
+    assert [s["doc_id"] for s in theirs] == [s["doc_id"] for s in ours] == list(range(5))
+    for o, t in zip(ours, theirs, strict=True):
+        assert [float(r[0]) for r in t["filtered_resps"]] == pytest.approx(
+            [r[0] for r in o["filtered_resps"]], rel=1e-5, abs=1e-4)
+        assert t["acc"] == o["acc"] and t["acc_norm"] == o["acc_norm"]
