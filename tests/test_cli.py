@@ -3,6 +3,7 @@ as ONE ``error: ...`` line on stderr with exit code 2 and no traceback (``--debu
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -63,23 +64,40 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run, tmp_path / "run"))
 
 
+def _into_checkpoints(run: Path, name: str) -> None:
+    """The run's ``name`` copied over each checkpoint's own copy, its manifest rewritten to vouch for it (a
+    hand edit that leaves every hash matching: only the loader's own checks can catch what it says)."""
+    from hybridnorm.train.checkpoint import list_checkpoints
+    from hybridnorm.train.checkpoint.format import sha256_of
+
+    for ckpt in list_checkpoints(run / "checkpoints"):
+        shutil.copyfile(run / name, ckpt / name)
+        manifest = json.loads((ckpt / "manifest.json").read_text(encoding="utf-8"))
+        manifest[name] = {"bytes": (ckpt / name).stat().st_size, "sha256": sha256_of(ckpt / name)}
+        (ckpt / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+
+
 def _vocab_mismatch(run: Path, tmp_path: Path) -> Path:
-    """The run's tokenizer.json replaced by a BPE with a bigger vocabulary than the model's 257."""
+    """The run's tokenizer.json (and the checkpoints' copies) replaced by a BPE with a bigger vocabulary than
+    the model's 257."""
     from hybridnorm.data import train_bpe
 
     copy = _copy(run, tmp_path)
     tok = train_bpe([(run.parent / "corpus" / "doc0.txt").read_text(encoding="utf-8")], vocab_size=300)
     assert tok.vocab_size > 257
     tok.save(copy)
+    _into_checkpoints(copy, "tokenizer.json")
     return copy
 
 
 def _smaller_tokenizer(run: Path, tmp_path: Path) -> Path:
-    """The run's config.yaml claims a model vocab (300) larger than its byte tokenizer's 257."""
+    """The run's config.yaml (and the checkpoints' copies) claim a model vocab (300) larger than its byte
+    tokenizer's 257."""
     copy = _copy(run, tmp_path)
     text = (copy / "config.yaml").read_text(encoding="utf-8")
     assert "vocab_size: 257" in text
     (copy / "config.yaml").write_text(text.replace("vocab_size: 257", "vocab_size: 300", 1), encoding="utf-8")
+    _into_checkpoints(copy, "config.yaml")
     return copy
 
 

@@ -15,8 +15,7 @@ import torch
 from hybridnorm.data import prepare_data, val_batches
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import lm_loss
-from hybridnorm.train.preflight import check_run_fits
-from hybridnorm.train.run import Run, is_hf_folder, open_run
+from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
 
 __all__ = ["Run", "evaluate_run", "load_run"]
 
@@ -49,8 +48,7 @@ def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = N
     seq_len = seq_len or run.config.seq_len
     batch_size = batch_size or run.config.batch_size
     windows = max_batches * batch_size if max_batches is not None else run.config.eval_windows
-    tok_path = run.run_dir / "tokenizer.json"
-    data = prepare_data(source or run.config.data.source, tokenizer=str(tok_path),
+    data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
                         cache_dir=run.config.data.cache_dir)
     data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
     val = data.val_tokens()

@@ -13,6 +13,7 @@ import transformers
 
 from hybridnorm.cli import main
 from hybridnorm.loading import load_run
+from hybridnorm.train.checkpoint import verify_checkpoint
 
 
 def test_export_own_class_then_import_back(trained_run: Path, tmp_path: Path, capsys) -> None:
@@ -29,6 +30,9 @@ def test_export_own_class_then_import_back(trained_run: Path, tmp_path: Path, ca
     with torch.no_grad():
         assert torch.equal(a.model(x), b.model(x))
     assert b.tokenizer.encode("the lord said") == a.tokenizer.encode("the lord said")
+    for name in ("config.yaml", "tokenizer.json"):  # the imported checkpoint keeps its run's files, hashed
+        assert (b.checkpoint / name).read_bytes() == (tmp_path / "back" / name).read_bytes()
+        assert name in verify_checkpoint(b.checkpoint)
     # the imported run generates through the normal CLI path
     assert main(["generate", str(tmp_path / "back"), "--prompt", "the", "--max-new-tokens", "5"]) == 0
 

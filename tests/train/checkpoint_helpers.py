@@ -1,6 +1,7 @@
-"""Helpers for the checkpoint and run-folder tests: a tiny trained checkpoint, a snapshot of a folder's bytes,
-rewriting one file of a checkpoint with (or without) a manifest that vouches for the new bytes, and a
-trainer in a subprocess."""
+"""Helpers for the checkpoint and run-folder tests: a tiny trained checkpoint, a snapshot of a folder's bytes
+(or of what a checkpoint holds apart from its copy of the run's settings), rewriting one file of a checkpoint
+with (or without) a manifest that vouches for the new bytes, a checkpoint made into one written before
+checkpoints kept copies of the run's files, and a trainer in a subprocess."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from hybridnorm.config import ModelConfig
 from hybridnorm.nn.model import lm_loss
-from hybridnorm.train.checkpoint import TrainState, save_checkpoint
+from hybridnorm.train.checkpoint import RUN_FILES, TrainState, save_checkpoint
 from hybridnorm.train.optim import OptimConfig, build_optimizer
 
 DATA = {"epoch": 0, "step": 3, "seed": 0, "seq_len": 32, "global_batch": 4, "n_tokens": 17206}
@@ -54,6 +55,27 @@ def snapshot(folder: Path) -> dict[str, str]:
     deleted or added."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def trained_state(ckpt: Path) -> dict[str, str]:
+    """:func:`snapshot` of a checkpoint without its copy of the run's ``config.yaml`` (its manifest entry
+    too): what two runs that differ only in where and how they save (``out_dir``, ``async_checkpoint``)
+    must write alike."""
+    snap = snapshot(ckpt)
+    del snap["config.yaml"]
+    manifest = json.loads((ckpt / "manifest.json").read_text(encoding="utf-8"))
+    del manifest["config.yaml"]
+    snap["manifest.json"] = json.dumps(manifest, sort_keys=True)
+    return snap
+
+
+def as_older_checkpoint(ckpt: Path) -> None:
+    """Make ``ckpt`` one written before checkpoints kept copies of the run's files (RUN_FILES)."""
+    manifest = json.loads((ckpt / "manifest.json").read_text(encoding="utf-8"))
+    for name in RUN_FILES:
+        (ckpt / name).unlink()
+        del manifest[name]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
 
 
 def rewrite(ckpt: Path, name: str, data: bytes, fix_manifest: bool = True) -> None:

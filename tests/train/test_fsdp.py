@@ -149,9 +149,11 @@ def test_two_fsdp_ranks_match_one_process(runs):
 
     ckpt = root / "fsdp" / "checkpoints" / f"step_{STEPS:06d}"
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        "manifest.json", "model-r00000.safetensors", "model-r00001.safetensors", "optimizer-r00000.safetensors",
-        "optimizer-r00001.safetensors", "rng.safetensors", "state.json"]
-    sharded = TrainConfig.load(root / "fsdp" / "config.yaml").model.build()
+        "config.yaml", "manifest.json", "model-r00000.safetensors", "model-r00001.safetensors",
+        "optimizer-r00000.safetensors", "optimizer-r00001.safetensors", "rng.safetensors", "state.json",
+        "tokenizer.json"]
+    assert (ckpt / "config.yaml").read_bytes() == (root / "fsdp" / "config.yaml").read_bytes()
+    sharded = TrainConfig.load(ckpt / "config.yaml").model.build()
     load_weights(ckpt, sharded)  # 2 ranks' pieces assembled into one process's model
     whole = TrainConfig.load(root / "single" / "config.yaml").model.build()
     load_weights(root / "single" / "checkpoints" / f"step_{STEPS:06d}", whole)

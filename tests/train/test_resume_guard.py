@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from checkpoint_helpers import as_older_checkpoint
 from train_helpers import read_metrics
 
 from hybridnorm.data.tokenizer import train_bpe
@@ -54,7 +55,7 @@ def test_another_architecture_is_refused_before_anything_is_written(make_cfg, ru
     before = _files(run)
     with pytest.raises(ConfigError, match=rf"cannot resume .*as a different model \({fields}") as e:
         train(make_cfg(run, "--max_steps=3", override), resume=True, quiet=True)
-    assert str(run / "config.yaml") in str(e.value)
+    assert str(run / "checkpoints" / "step_000002" / "config.yaml") in str(e.value)  # what the weights were
     assert _files(run) == before and [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_000002"]
 
 
@@ -68,9 +69,35 @@ def test_another_tokenizer_is_refused(make_cfg, run, tmp_path):
     assert _files(run) == before
 
 
-def test_a_damaged_tokenizer_file_is_named(make_cfg, run):
-    (run / "tokenizer.json").write_bytes(b"\xff{not a tokenizer")
+def _as_older_checkpoint(run: Path) -> None:
+    as_older_checkpoint(list_checkpoints(run / "checkpoints")[-1])
+
+
+def test_the_checkpoints_own_config_is_the_record_a_hand_edit_of_the_runs_cannot_move(make_cfg, run):
+    """norm_eps changes no parameter: a run config.yaml edited to another one, resumed with it, would load
+    the weights into another function. The checkpoint's own copy says what they were trained as."""
+    cfg_file = run / "config.yaml"
+    cfg_file.write_text(cfg_file.read_text(encoding="utf-8").replace("norm_eps: 1.0e-05", "norm_eps: 0.001"),
+                        encoding="utf-8")
+    assert TrainConfig.load(cfg_file).model.norm_eps == 0.001
+    with pytest.raises(ConfigError, match=r"as a different model \(model.norm_eps: 1e-05 -> 0.001; recorded in "
+                                          r".*step_000002/config.yaml"):
+        train(make_cfg(run, "--max_steps=3", "--model.norm_eps=0.001"), resume=True, quiet=True)
+    _as_older_checkpoint(run)  # without the copy, the run folder's (edited) file is all there is to go by
+    assert train(make_cfg(run, "--max_steps=3", "--model.norm_eps=0.001"), resume=True, quiet=True).step == 3
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_a_damaged_tokenizer_file_is_named(make_cfg, run, older):
+    if older:
+        _as_older_checkpoint(run)
+    tok = run / "checkpoints" / "step_000002" / "tokenizer.json" if not older else run / "tokenizer.json"
+    tok.write_bytes(b"\xff{not a tokenizer")
     before = _files(run)
-    with pytest.raises(ConfigError, match=r"cannot read tokenizer file .*run/tokenizer\.json"):
-        train(make_cfg(run, "--max_steps=3"), resume=True, quiet=True)
+    if older:
+        with pytest.raises(ConfigError, match=r"cannot read tokenizer file .*run/tokenizer\.json"):
+            train(make_cfg(run, "--max_steps=3"), resume=True, quiet=True)
+    else:  # a damaged copy fails the checkpoint's hashes: no checkpoint to resume, named, set aside
+        with pytest.raises(ConfigError, match=r"step_000002/tokenizer\.json is (truncated or )?corrupt"):
+            train(make_cfg(run, "--max_steps=3"), resume=True, quiet=True)
     assert _files(run) == before

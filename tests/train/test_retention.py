@@ -8,7 +8,15 @@ import json
 import warnings
 
 import pytest
-from checkpoint_helpers import flip_byte, model_and_optimizer, rewrite, snapshot, tiny_model, write_checkpoint
+from checkpoint_helpers import (
+    as_older_checkpoint,
+    flip_byte,
+    model_and_optimizer,
+    rewrite,
+    snapshot,
+    tiny_model,
+    write_checkpoint,
+)
 from safetensors.torch import save
 from train_helpers import read_metrics, tiny_overrides
 
@@ -179,7 +187,13 @@ def test_a_replaced_weights_file_is_corrupt_but_a_changed_config_is_not(corpus, 
     err = capsys.readouterr().err  # the run's config.yaml says it is another model: refused before loading
     assert rc == 2 and "as a different model (model.n_layers: 2 -> 3" in err and "Traceback" not in err
     assert snapshot(ckpts) == before
-    (run / "config.yaml").unlink()  # without it, the checkpoint loader is what finds the mismatch
+    (run / "config.yaml").unlink()  # the checkpoint's own copy still says what it was trained as
+    rc = cli.main(_cli(corpus, cache_dir, run, "--max_steps=6", "--resume", "--model.n_layers=3"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "as a different model (model.n_layers: 2 -> 3" in err and "step_000004/config.yaml" in err
+    assert snapshot(ckpts) == before
+    as_older_checkpoint(ckpts / "step_000004")  # without any record, the checkpoint loader finds the mismatch
+    before = snapshot(ckpts)
     rc = cli.main(_cli(corpus, cache_dir, run, "--max_steps=6", "--resume", "--model.n_layers=3"))
     err = capsys.readouterr().err
     assert rc == 2 and "does not fit this model" in err and "Traceback" not in err

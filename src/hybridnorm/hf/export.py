@@ -24,11 +24,11 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.hf import folder, stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.train.checkpoint import TrainState, save_checkpoint
+from hybridnorm.train.checkpoint import RUN_FILES, TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
-from hybridnorm.train.preflight import check_fits, check_output_folder, check_run_fits, staged_folder
-from hybridnorm.train.run import Run, is_hf_folder, open_run
+from hybridnorm.train.preflight import check_fits, check_output_folder, staged_folder
+from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCH_CHOICES: tuple[str, ...] = ("auto", MODEL_TYPE, *stock.BY_TYPE)
@@ -196,7 +196,7 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
         mc.vocab_size, mc.pad_vocab_multiple = tokenizer.vocab_size, mc.embedding_size
     cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str(tok_file.resolve())),
                       seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(path))
-    return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer)
+    return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer, tokenizer_file=tok_file)
 
 
 def _hf_folder(path: str | Path) -> Path:
@@ -218,5 +218,6 @@ def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False)
         cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
         (tmp / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
-        save_checkpoint(tmp / "checkpoints", run.model, opt, TrainState(step=0, tokens=0))
+        save_checkpoint(tmp / "checkpoints", run.model, opt, TrainState(step=0, tokens=0),
+                        run_files={name: (tmp / name).read_bytes() for name in RUN_FILES})
     return out

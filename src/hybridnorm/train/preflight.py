@@ -47,7 +47,6 @@ import torch
 
 from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
-from hybridnorm.train.config import TrainConfig
 
 FP32_BYTES = 4
 TRAIN_BYTES_PER_PARAM = 4 + 4 + 2 * 4  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq
@@ -165,18 +164,6 @@ def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, c
     raise ConfigError(f"{what} needs at least {_size(need)} on {device} ({how}; activations come on top) but only "
                       f"{_size(free[0])} is available ({free[1]}); use a smaller model (model.d_model / n_layers / "
                       "vocab) or a machine with more memory")
-
-
-def check_run_fits(path: str | Path, copies: int = 1) -> None:
-    """:func:`check_fits` for loading a run folder or a ``checkpoints/step_*`` folder on the CPU, from its
-    ``config.yaml`` and before any weights are read. A folder without a config is left to the loader,
-    which names what is wrong with it."""
-    path = Path(path)
-    run_dir = path.parent.parent if (path / "manifest.json").exists() or path.name.startswith("step_") else path
-    if not (run_dir / "config.yaml").is_file():
-        return
-    cfg = TrainConfig.load(run_dir / "config.yaml")
-    check_fits(cfg.model, "cpu", training=False, copies=copies, what=f"the model of {run_dir}")
 
 
 def check_writable_dir(path: str | Path, what: str = "output folder") -> Path:

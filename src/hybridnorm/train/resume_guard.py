@@ -1,12 +1,14 @@
 """Resuming a run with the model and tokenizer it was trained with.
 
 ``train --resume`` builds the model and the tokenizer from the command's config and then loads the newest
-checkpoint into the model. A checkpoint only fixes tensor shapes, so a command that differs from the run in
+checkpoint into the model. Its weights only fix tensor shapes, so a command that differs from the run in
 something shape-free (a Pre-Norm run resumed as Post-Norm has the same parameters; a new ``data.source``
 trains a new BPE of the same size) would go on training a different model, or the same model on text cut
 into different tokens, and say nothing; then it would overwrite the run's ``config.yaml`` and
-``tokenizer.json`` with the new ones. This guard compares the command with what the run folder recorded
-before anything is written:
+``tokenizer.json`` with the new ones. This guard compares the command with what was recorded before anything
+is written: the copies of ``config.yaml`` and ``tokenizer.json`` kept in the checkpoint being loaded (so a
+run's ``config.yaml`` edited by hand since cannot vouch for it), or the run folder's for a checkpoint
+written before those copies existed:
 
 * the tokenizer must be the same one (its fingerprint; checked first, as a new tokenizer usually brings a
   new vocab size too), and a damaged ``tokenizer.json`` in the run folder is one error naming it;
@@ -27,6 +29,7 @@ from typing import Any
 from hybridnorm.config_base import config_differences, flatten_config
 from hybridnorm.data.tokenizer import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
+from hybridnorm.train.checkpoint import checked_run_file
 from hybridnorm.train.config import TrainConfig
 
 # model fields a resumed run may change: how the math is run, how fresh weights would be drawn (a resumed
@@ -40,12 +43,13 @@ RUN_CONTROL_FIELDS = frozenset({"out_dir", "data.cache_dir", "max_minutes", "sto
                                 "global_batch", "dist_timeout", "async_checkpoint"})
 
 
-def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer) -> list[str]:
+def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Path | None = None) -> list[str]:
     """Check that ``cfg`` (vocab and precision resolved) and ``tokenizer`` continue the run in ``run_dir``,
-    whose checkpoint is about to be loaded. Returns the dotted fields that differ from the run's recorded
-    ``config.yaml`` and may (sorted); raises ConfigError for the ones that may not, or a tokenizer that is
-    not the run's. A folder without a recorded config or tokenizer (an older layout) is not checked for it."""
-    recorded_tok = run_dir / "tokenizer.json"
+    whose checkpoint ``ckpt`` is about to be loaded. Returns the dotted fields that differ from the recorded
+    ``config.yaml`` (``ckpt``'s copy, else the run's) and may (sorted); raises ConfigError for the ones that
+    may not, or a tokenizer that is not the recorded one. Without a recorded config or tokenizer (an older
+    layout) that is not checked."""
+    recorded_tok = checked_run_file(ckpt, "tokenizer.json") if ckpt is not None else run_dir / "tokenizer.json"
     if recorded_tok.is_file():
         theirs = load_tokenizer(recorded_tok)  # ConfigError naming the file if it is damaged
         if theirs.fingerprint != tokenizer.fingerprint:
@@ -53,7 +57,7 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer) -> list[
                               f"{cfg.data.tokenizer!r} with data.source={cfg.data.source!r} gives a tokenizer "
                               f"that differs from the run's {recorded_tok}; resume with the run's data settings (its "
                               f"config.yaml), or pass --data.tokenizer={recorded_tok} to keep its tokenizer")
-    recorded_cfg = run_dir / "config.yaml"
+    recorded_cfg = checked_run_file(ckpt, "config.yaml") if ckpt is not None else run_dir / "config.yaml"
     if not recorded_cfg.is_file():
         return []
     recorded, requested = TrainConfig.load(recorded_cfg).to_dict(), cfg.to_dict()

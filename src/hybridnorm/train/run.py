@@ -13,8 +13,9 @@ from pathlib import Path
 from hybridnorm.data import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.train.checkpoint import CheckpointError, latest_checkpoint, load_weights
+from hybridnorm.train.checkpoint import CheckpointError, checked_run_file, latest_checkpoint, load_weights
 from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.preflight import check_fits
 
 
 @dataclass
@@ -24,6 +25,27 @@ class Run:
     config: TrainConfig
     model: TransformerLM
     tokenizer: Tokenizer
+    tokenizer_file: Path  # the tokenizer.json read: the checkpoint's own copy, else the run folder's
+
+
+def split_run_path(path: Path) -> tuple[Path | None, Path]:
+    """(checkpoint, run folder) for ``path``: a ``checkpoints/step_*`` folder (also one copied out of its run:
+    then the run folder is the checkpoint itself) or a run folder (no checkpoint chosen yet)."""
+    if (path / "manifest.json").exists() or path.name.startswith("step_"):
+        return path, (path.parent.parent if path.parent.name == "checkpoints" else path)
+    return None, path
+
+
+def check_run_fits(path: str | Path, copies: int = 1) -> None:
+    """:func:`~hybridnorm.train.preflight.check_fits` for loading a run folder or a ``checkpoints/step_*``
+    folder on the CPU, from its ``config.yaml`` (a checkpoint's own copy, else the run's) and before any
+    weights are read. A folder without a config is left to the loader, which names what is wrong with it."""
+    ckpt, run_dir = split_run_path(Path(path))
+    cfg_file = checked_run_file(ckpt, "config.yaml") if ckpt is not None else run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        return
+    cfg = TrainConfig.load(cfg_file)
+    check_fits(cfg.model, "cpu", training=False, copies=copies, what=f"the model of {ckpt or run_dir}")
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -38,24 +60,23 @@ def open_run(path: str | Path) -> Run:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"no run folder or checkpoint at {path}")
-    if (path / "manifest.json").exists() or path.name.startswith("step_"):
-        ckpt, run_dir = path, path.parent.parent
-    else:
-        run_dir = path
+    ckpt, run_dir = split_run_path(path)
+    if ckpt is None:
         bad: list[str] = []  # with none good, each one's problem (newest first) for the error instead of warnings
         ckpt = latest_checkpoint(path / "checkpoints", why_none=bad)
         if ckpt is None:
             raise CheckpointError(f"{path} has no usable checkpoint" + (
                 f" ({len(bad)} found, none verifies; the newest: {bad[0]})" if bad
                 else " (no checkpoints/step_* folder)"))
-    cfg = TrainConfig.load(run_dir / "config.yaml")
-    tokenizer = load_tokenizer(run_dir / "tokenizer.json")
+    # the files this checkpoint was written with (its own copies; an older checkpoint's are its run's)
+    cfg_file, tok_file = checked_run_file(ckpt, "config.yaml"), checked_run_file(ckpt, "tokenizer.json")
+    cfg = TrainConfig.load(cfg_file)
+    tokenizer = load_tokenizer(tok_file)
     if tokenizer.vocab_size != cfg.model.vocab_size:  # training and import both make them equal
-        raise ConfigError(f"vocab mismatch: tokenizer {run_dir / 'tokenizer.json'} has {tokenizer.vocab_size} "
-                          f"tokens but {run_dir / 'config.yaml'} gives the model vocab_size {cfg.model.vocab_size} "
+        raise ConfigError(f"vocab mismatch: tokenizer {tok_file} has {tokenizer.vocab_size} "
+                          f"tokens but {cfg_file} gives the model vocab_size {cfg.model.vocab_size} "
                           "(a smaller tokenizer could not decode every id the model emits)")
     model = TransformerLM(cfg.model)
     load_weights(ckpt, model)  # names, shapes, header dtypes and finiteness checked before anything loads
     model.eval()
-    return Run(run_dir, ckpt, cfg, model, tokenizer)
-
+    return Run(run_dir, ckpt, cfg, model, tokenizer, tok_file)

@@ -39,6 +39,7 @@ from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_counts
 from hybridnorm.train.batch_split import per_step_state, resolve_split
 from hybridnorm.train.checkpoint import (
+    RUN_FILES,
     ResumePoint,
     TrainState,
     checkpoint_for_resume,
@@ -170,7 +171,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         raise ConfigError(f"float8=true: {reason} ({why})")
     cfg = replace(cfg, precision=precision)  # config.yaml records what was chosen, not "auto"
     # a resume continues the run's model with its tokenizer (checked before config.yaml is rewritten)
-    changed = check_resume(run_dir, cfg, data.tokenizer) if ckpt is not None else []
+    changed = check_resume(run_dir, cfg, data.tokenizer, ckpt) if ckpt is not None else []
     train_tokens, val_tokens = data.train_tokens(), data.val_tokens()
 
     torch.manual_seed(cfg.seed)
@@ -196,10 +197,12 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
                            world_size=d.world_size, grad_accum=cfg.grad_accum)
     if state.data:
         batches.load_state_dict(state.data)
+    run_files: dict[str, bytes] = {}  # kept in every checkpoint too: a checkpoint folder opens on its own
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         data.tokenizer.save(run_dir)
+        run_files = {name: (run_dir / name).read_bytes() for name in RUN_FILES}
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
     peak = measured_peak_flops(str(device), torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
     peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
@@ -257,7 +260,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         saving.update(step=state.step, pending=None)
         try:  # with async_checkpoint the files are written while the next steps run
             saving["pending"] = start_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last,
-                                                 d, background=cfg.async_checkpoint)
+                                                 d, background=cfg.async_checkpoint, run_files=run_files)
         except ConfigError as e:
             return finish_save(e)
         if not cfg.async_checkpoint:

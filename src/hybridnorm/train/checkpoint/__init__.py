@@ -19,9 +19,11 @@ from hybridnorm.train.checkpoint.format import (
     FILES,
     CheckpointError,
     check_checkpoint,
+    checked_run_file,
     list_checkpoints,
     verify_checkpoint,
 )
+from hybridnorm.train.checkpoint.layout import RUN_FILES, run_file
 from hybridnorm.train.checkpoint.load import TrainState, load_checkpoint, load_weights
 from hybridnorm.train.checkpoint.lock import LOCK_NAME, claim_run_dir
 from hybridnorm.train.checkpoint.retention import ResumePoint, checkpoint_for_resume, prune_checkpoints
@@ -33,7 +35,7 @@ from hybridnorm.train.checkpoint.save import (
     start_checkpoint,
 )
 
-__all__ = ["FILES", "LOCK_NAME", "CheckpointError", "CheckpointSaveError", "PendingSave", "ResumePoint",
-           "TrainState", "check_checkpoint", "checkpoint_for_resume", "claim_run_dir", "latest_checkpoint",
-           "list_checkpoints", "load_checkpoint", "load_weights", "prune_checkpoints", "save_checkpoint",
-           "start_checkpoint", "verify_checkpoint"]
+__all__ = ["FILES", "LOCK_NAME", "RUN_FILES", "CheckpointError", "CheckpointSaveError", "PendingSave", "ResumePoint",
+           "TrainState", "check_checkpoint", "checked_run_file", "checkpoint_for_resume", "claim_run_dir",
+           "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_weights", "prune_checkpoints",
+           "run_file", "save_checkpoint", "start_checkpoint", "verify_checkpoint"]

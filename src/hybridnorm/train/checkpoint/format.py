@@ -24,15 +24,17 @@ from hybridnorm import plain_data
 from hybridnorm.train.checkpoint.layout import (
     FILES,
     MANIFEST,
+    RUN_FILES,
     CheckpointError,
     index_pieces,
     layout_files,
+    run_file,
     shard_ranks,
     tensor_header,
 )
 
-__all__ = ["FILES", "MANIFEST", "CheckpointError", "check_checkpoint", "list_checkpoints", "read_state",
-           "sha256_of", "verify_checkpoint"]
+__all__ = ["FILES", "MANIFEST", "CheckpointError", "check_checkpoint", "checked_run_file", "list_checkpoints",
+           "read_state", "sha256_of", "verify_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -82,8 +84,14 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {e.strerror or e}") from None
 
 
+def recorded_files(manifest: dict[str, Any], where: Path) -> tuple[str, ...]:
+    """The files a checkpoint with this manifest holds: those of its layout
+    (:func:`~hybridnorm.train.checkpoint.layout.layout_files`), then the copies of the run's files it lists."""
+    return (*layout_files(manifest, where), *(n for n in RUN_FILES if n in manifest))
+
+
 def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
-    """``manifest.json``: for each file of its layout (:func:`~hybridnorm.train.checkpoint.layout.layout_files`),
+    """``manifest.json``: for each file the checkpoint holds (:func:`recorded_files`),
     ``{"bytes": int >= 0, "sha256": 64 hex digits}``."""
     path = ckpt / MANIFEST
     if not path.is_file():
@@ -92,7 +100,7 @@ def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint file {path} is malformed: expected a JSON object, got "
                               f"{type(manifest).__name__}")
-    for name in layout_files(manifest, path):
+    for name in recorded_files(manifest, path):
         entry = manifest.get(name)
         if entry is None:
             raise CheckpointError(f"checkpoint file {path} is malformed: no entry for {name}")
@@ -108,21 +116,46 @@ def verify_checkpoint(path: str | Path) -> tuple[str, ...]:
     names of the files checked."""
     ckpt = Path(path)
     manifest = read_manifest(ckpt)
-    files = layout_files(manifest, ckpt / MANIFEST)
+    files = recorded_files(manifest, ckpt / MANIFEST)
+    for name in RUN_FILES:
+        _check_recorded(ckpt, manifest, name)
     for name in files:
-        f, want = ckpt / name, manifest[name]
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing")
-        try:
-            size, digest = f.stat().st_size, sha256_of(f)
-        except OSError as e:  # unreadable (permissions, I/O error) is as unusable as corrupt
-            raise CheckpointError(f"checkpoint file {f} cannot be read: {e.strerror or e}") from None
-        if size != want["bytes"]:
-            raise CheckpointError(f"checkpoint file {f} is truncated or corrupt ({size} bytes, "
-                                  f"{ckpt / MANIFEST} records {want['bytes']})")
-        if digest != want["sha256"]:
-            raise CheckpointError(f"checkpoint file {f} is corrupt (sha256 differs from {ckpt / MANIFEST})")
+        _check_file(ckpt, name, manifest[name])
     return files
+
+
+def checked_run_file(ckpt: Path, name: str) -> Path:
+    """:func:`~hybridnorm.train.checkpoint.layout.run_file`, the checkpoint's own copy first checked against
+    its manifest (size and sha256): the few bytes read before the weights are verified are verified too."""
+    path = run_file(ckpt, name)
+    if path.parent == ckpt:
+        manifest = read_manifest(ckpt)
+        _check_recorded(ckpt, manifest, name)
+        _check_file(ckpt, name, manifest[name])
+    return path
+
+
+def _check_recorded(ckpt: Path, manifest: dict[str, Any], name: str) -> None:
+    """A copy of a run file the manifest does not vouch for would be read in place of the run's."""
+    if name not in manifest and (ckpt / name).exists():
+        raise CheckpointError(f"checkpoint file {ckpt / name} is not recorded in {ckpt / MANIFEST}: it was not "
+                              "written with this checkpoint (move it out to read the checkpoint with its run "
+                              "folder's file)")
+
+
+def _check_file(ckpt: Path, name: str, want: dict[str, Any]) -> None:
+    f = ckpt / name
+    if not f.is_file():
+        raise CheckpointError(f"checkpoint file {f} is missing")
+    try:
+        size, digest = f.stat().st_size, sha256_of(f)
+    except OSError as e:  # unreadable (permissions, I/O error) is as unusable as corrupt
+        raise CheckpointError(f"checkpoint file {f} cannot be read: {e.strerror or e}") from None
+    if size != want["bytes"]:
+        raise CheckpointError(f"checkpoint file {f} is truncated or corrupt ({size} bytes, "
+                              f"{ckpt / MANIFEST} records {want['bytes']})")
+    if digest != want["sha256"]:
+        raise CheckpointError(f"checkpoint file {f} is corrupt (sha256 differs from {ckpt / MANIFEST})")
 
 
 def _bad_state(path: Path, what: str) -> CheckpointError:

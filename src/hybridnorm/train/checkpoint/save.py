@@ -7,6 +7,8 @@ Layout of one checkpoint (``<run>/checkpoints/step_000100/``)::
     rng.safetensors         torch (and CUDA) RNG states
     state.json              step, counters, optimizer hyper-parameters and the names/shapes of its tensors,
                             data-loader position, extras
+    config.yaml             copies of the run's files as they were at this step (``run_files``; written by
+    tokenizer.json          the trainer and by ``hybridnorm import``), so the folder opens on its own
     manifest.json           size and sha256 of each file above — written last, so its presence marks
                             a complete checkpoint and its hashes catch truncation and corruption
 
@@ -51,7 +53,7 @@ from hybridnorm.train.checkpoint.format import (
     list_checkpoints,
     sha256_of,
 )
-from hybridnorm.train.checkpoint.layout import COMMON, KINDS, shard_file, shard_ranks
+from hybridnorm.train.checkpoint.layout import COMMON, KINDS, RUN_FILES, shard_file, shard_ranks
 from hybridnorm.train.checkpoint.load import TrainState
 from hybridnorm.train.checkpoint.retention import prune_checkpoints
 from hybridnorm.train.checkpoint.shards import is_sharded, local_pieces
@@ -88,11 +90,15 @@ def _optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module,
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars, "tensors": shapes, "param_names": names}
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, indent=1))
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_bytes(path, json.dumps(obj, indent=1).encode("utf-8"))
 
 
 def _fsync(path: Path) -> None:
@@ -150,15 +156,18 @@ class _Save:
             _fsync(self.where)
 
     def seal(self, state: TrainState, rng: dict[str, torch.Tensor], body: dict[str, Any],
-             data_files: tuple[str, ...] | list[str]) -> None:
-        """rng + state.json (``body`` adds to it), then the manifest over ``data_files`` and those two, then
-        rename into place. ``data_files`` were written and fsynced before."""
+             data_files: tuple[str, ...] | list[str], run_files: dict[str, bytes]) -> None:
+        """rng + state.json (``body`` adds to it) + ``run_files``, then the manifest over ``data_files`` and
+        those, then rename into place. ``data_files`` were written and fsynced before."""
         self.tensors("rng.safetensors", rng)
         self.where = self.tmp / "state.json"
         _write_json(self.where, {"step": state.step, "tokens": state.tokens, "data": state.data,
                                  "extra": state.extra, **body})
         self.fsync(["rng.safetensors"])
-        files = [*data_files, *COMMON]
+        for name, data in run_files.items():
+            self.where = self.tmp / name
+            _write_bytes(self.where, data)
+        files = [*data_files, *COMMON, *run_files]
         self.where = self.tmp / MANIFEST
         _write_json(self.where, {n: {"bytes": (self.tmp / n).stat().st_size, "sha256": sha256_of(self.tmp / n)}
                                  for n in files})
@@ -242,13 +251,18 @@ def _owned(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tens
 
 def start_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                      state: TrainState, keep_last: int = 3, d: Dist | None = None,
-                     background: bool = False) -> PendingSave | None:
+                     background: bool = False, run_files: dict[str, bytes] | None = None) -> PendingSave | None:
     """Begin writing ``ckpt_root/step_<step>``: what it holds is fixed now (weights, optimizer state, rng,
     ``state``), the files are written at once or, with ``background``, while training goes on; call
-    :meth:`PendingSave.wait` (on every rank, at the same point) to publish it.
+    :meth:`PendingSave.wait` (on every rank, at the same point) to publish it. ``run_files`` (name -> content,
+    names from :data:`~hybridnorm.train.checkpoint.layout.RUN_FILES`; rank 0's count) are the run's
+    ``config.yaml`` and ``tokenizer.json`` to keep with it.
 
     In a run of several processes (``d``) call it on every rank: a sharded (FSDP) model is saved by all of
     them together; a whole one by rank 0 alone (the others get None)."""
+    run_files = dict(run_files or {})
+    if unknown := sorted(set(run_files) - set(RUN_FILES)):
+        raise ValueError(f"run_files may hold {RUN_FILES}, not {unknown}")
     d = d or current_dist()
     root, sharded = Path(ckpt_root), is_sharded(model)
     if not sharded and not d.is_main:
@@ -285,7 +299,7 @@ def start_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.o
         def seal() -> None:
             ranks = shard_ranks(p.name for p in save.tmp.iterdir())
             save.seal(state, rng, {"optimizer": opt_meta, "shards": {"ranks": ranks, "model": shapes}},
-                      [shard_file(k, r) for r in ranks for k in KINDS])
+                      [shard_file(k, r) for r in ranks for k in KINDS], run_files)
     else:
         whole = {"model.safetensors": _owned(_whole(weights), copy),
                  "optimizer.safetensors": _owned(_whole(opt_tensors), copy)}
@@ -296,16 +310,17 @@ def start_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.o
             save.fsync(FILES[:2])
 
         def seal() -> None:
-            save.seal(state, rng, {"optimizer": opt_meta}, FILES[:2])
+            save.seal(state, rng, {"optimizer": opt_meta}, FILES[:2], run_files)
 
     return PendingSave(save, write, seal, sharded, d, keep_last, background)
 
 
 def save_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    state: TrainState, keep_last: int = 3, d: Dist | None = None) -> Path | None:
+                    state: TrainState, keep_last: int = 3, d: Dist | None = None,
+                    run_files: dict[str, bytes] | None = None) -> Path | None:
     """Write ``ckpt_root/step_<step>`` atomically, then prune to the newest ``keep_last`` good checkpoints
     (:func:`start_checkpoint` and its ``wait``, in the foreground)."""
-    pending = start_checkpoint(ckpt_root, model, optimizer, state, keep_last, d)
+    pending = start_checkpoint(ckpt_root, model, optimizer, state, keep_last, d, run_files=run_files)
     return pending.wait() if pending is not None else None
 
 
