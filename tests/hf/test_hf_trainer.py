@@ -1,6 +1,7 @@
 """``HybridNormForCausalLM`` under transformers' ``Trainer`` and training features, through their own entry
 points: gradient accumulation gives one big batch's loss and gradients (``num_items_in_batch``), gradient
-checkpointing gives the plain step's, ``resize_token_embeddings`` survives save/load."""
+checkpointing gives the plain step's, ``resize_token_embeddings`` survives save/load, and Trainer's own
+checkpoints resume to the straight run's weights."""
 
 from __future__ import annotations
 
@@ -210,3 +211,29 @@ def test_resize_token_embeddings_survives_save_and_load(tmp_path: Path) -> None:
     assert back.config.model_config().embedding_size == V + 11
     with torch.no_grad():
         assert torch.equal(back(ids).logits, before)
+
+
+@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": False, "moe": MoEConfig(num_experts=4, top_k=2)}],
+                         ids=["hybridnorm_star_tied", "moe_untied"])
+def test_trainer_checkpoint_resumes_to_the_straight_runs_weights(tmp_path: Path, kw: dict) -> None:
+    """Trainer's own checkpointing (save_steps: save_pretrained of our class with its tied or untied head,
+    optimizer and scheduler state by parameter order) and ``train(resume_from_checkpoint=...)``: the resumed
+    steps log the straight run's losses and end at its weights, bit for bit."""
+
+    def run(resume: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        model = make(**kw)
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=6,
+                                 learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2, logging_steps=1,
+                                 report_to=[], save_strategy="steps", save_steps=3, use_cpu=True, seed=0, data_seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=ragged_samples() * 4, data_collator=collate)
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    straight, weights = run(None)
+    assert len(straight) == 6 and len(set(straight)) == 6  # it trained
+    resumed, weights_resumed = run(str(tmp_path / "out" / "checkpoint-3"))
+    assert resumed[3:] == straight[3:]  # steps 4-6 computed again after the resume (1-3 restored from its log)
+    assert weights_resumed.keys() == weights.keys()
+    for k in weights:
+        assert torch.equal(weights_resumed[k], weights[k]), k
