@@ -22,8 +22,8 @@ from hybridnorm.train.checkpoint import (
     RUN_FILES,
     CheckpointError,
     TrainState,
+    checked_run_file,
     list_checkpoints,
-    run_file,
     verify_checkpoint,
 )
 from hybridnorm.train.checkpoint.save import save_checkpoint
@@ -101,11 +101,28 @@ def test_a_checkpoint_without_copies_reads_its_runs_files_and_refuses_a_stray_on
     folder's are the ones read. A config.yaml dropped into it later is not what it was written with."""
     ckpt = write_checkpoint(tmp_path / "run" / "checkpoints", 3)
     assert not any((ckpt / n).exists() for n in RUN_FILES)
-    assert [run_file(ckpt, n) for n in RUN_FILES] == [tmp_path / "run" / n for n in RUN_FILES]
+    assert [checked_run_file(ckpt, n) for n in RUN_FILES] == [tmp_path / "run" / n for n in RUN_FILES]
     verify_checkpoint(ckpt)
     (ckpt / "config.yaml").write_text("model: {}\n", encoding="utf-8")
-    with pytest.raises(CheckpointError, match=r"step_000003/config\.yaml is not recorded in .*manifest\.json"):
-        verify_checkpoint(ckpt)
+    for check in (verify_checkpoint, lambda c: checked_run_file(c, "config.yaml")):
+        with pytest.raises(CheckpointError, match=r"step_000003/config\.yaml is not recorded in .*manifest\.json"):
+            check(ckpt)
+
+
+def test_a_recorded_copy_that_is_gone_is_named_never_replaced_by_another_folders(run: Path, tmp_path: Path,
+                                                                                  capsys) -> None:
+    """A checkpoint copied out without its tokenizer.json must not read whatever tokenizer.json lies two
+    folders up: its manifest says it had one."""
+    alone = tmp_path / "a" / "b" / "step_000006"
+    shutil.copytree(run / "checkpoints" / "step_000006", alone)
+    (alone / "tokenizer.json").unlink()
+    (tmp_path / "a" / "tokenizer.json").write_text("{}", encoding="utf-8")  # a stranger's, two folders up
+    with pytest.raises(CheckpointError, match=r"step_000006/tokenizer\.json is missing"):
+        load_run(alone)
+    capsys.readouterr()
+    assert cli.main(["generate", str(alone), "--prompt", "x"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and "step_000006/tokenizer.json is missing" in line
 
 
 def test_older_checkpoint_of_a_trained_run_reads_the_run_folder(run: Path, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from hybridnorm.train.checkpoint.format import (
     list_checkpoints,
     verify_checkpoint,
 )
-from hybridnorm.train.checkpoint.layout import RUN_FILES, run_file
+from hybridnorm.train.checkpoint.layout import RUN_FILES
 from hybridnorm.train.checkpoint.load import TrainState, load_checkpoint, load_weights
 from hybridnorm.train.checkpoint.lock import LOCK_NAME, claim_run_dir
 from hybridnorm.train.checkpoint.retention import ResumePoint, checkpoint_for_resume, prune_checkpoints
@@ -38,4 +38,4 @@ from hybridnorm.train.checkpoint.save import (
 __all__ = ["FILES", "LOCK_NAME", "RUN_FILES", "CheckpointError", "CheckpointSaveError", "PendingSave", "ResumePoint",
            "TrainState", "check_checkpoint", "checked_run_file", "checkpoint_for_resume", "claim_run_dir",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_weights", "prune_checkpoints",
-           "run_file", "save_checkpoint", "start_checkpoint", "verify_checkpoint"]
+           "save_checkpoint", "start_checkpoint", "verify_checkpoint"]

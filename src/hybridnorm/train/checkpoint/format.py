@@ -28,7 +28,6 @@ from hybridnorm.train.checkpoint.layout import (
     CheckpointError,
     index_pieces,
     layout_files,
-    run_file,
     shard_ranks,
     tensor_header,
 )
@@ -125,14 +124,16 @@ def verify_checkpoint(path: str | Path) -> tuple[str, ...]:
 
 
 def checked_run_file(ckpt: Path, name: str) -> Path:
-    """:func:`~hybridnorm.train.checkpoint.layout.run_file`, the checkpoint's own copy first checked against
-    its manifest (size and sha256): the few bytes read before the weights are verified are verified too."""
-    path = run_file(ckpt, name)
-    if path.parent == ckpt:
-        manifest = read_manifest(ckpt)
-        _check_recorded(ckpt, manifest, name)
+    """The ``name`` (one of :data:`RUN_FILES`) that checkpoint ``ckpt`` was written with: its own copy if its
+    manifest records one — checked first (size and sha256: the few bytes read before the weights are
+    verified are verified too; a recorded copy that is gone is an error, never a silent fall-back) — else,
+    for a checkpoint written without copies, the run folder's (``<run>/checkpoints/step_N`` -> ``<run>/name``)."""
+    manifest = read_manifest(ckpt)
+    if name in manifest:
         _check_file(ckpt, name, manifest[name])
-    return path
+        return ckpt / name
+    _check_recorded(ckpt, manifest, name)
+    return ckpt.parent.parent / name
 
 
 def _check_recorded(ckpt: Path, manifest: dict[str, Any], name: str) -> None:

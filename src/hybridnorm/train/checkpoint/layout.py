@@ -14,7 +14,7 @@ Either layout also holds copies of the run's ``config.yaml`` and ``tokenizer.jso
 written (:data:`RUN_FILES`, hashed in the manifest like the rest): a checkpoint folder copied out of its run
 still opens, and a run's ``config.yaml`` rewritten later (a resume with new settings, a hand edit) does not
 change what an older checkpoint is read as. Checkpoints written before these copies existed have none; they
-are read with the run folder's files (:func:`run_file`).
+are read with the run folder's files (:func:`~hybridnorm.train.checkpoint.format.checked_run_file`).
 
 A piece is stored under the key ``<tensor name>@<offset>``: ``blocks.0.attn.w_o.weight@128,0`` holds the
 rows from 128 of that weight, its shape is the stored tensor's (``state.3.step@`` is a whole 0-d tensor).
@@ -82,13 +82,6 @@ def layout_files(manifest: dict[str, Any], where: Path) -> tuple[str, ...]:
     if not ranks or ranks[0] != 0:
         raise CheckpointError(f"checkpoint file {where} is malformed: a sharded checkpoint needs the files of rank 0")
     return (*(shard_file(k, r) for r in ranks for k in KINDS), *COMMON)
-
-
-def run_file(ckpt: Path, name: str) -> Path:
-    """The ``name`` (one of :data:`RUN_FILES`) that checkpoint ``ckpt`` was written with: its own copy, or for
-    a checkpoint without one, the run folder's (``<run>/checkpoints/step_N`` -> ``<run>/name``)."""
-    own = ckpt / name
-    return own if own.is_file() else ckpt.parent.parent / name
 
 
 def shard_ranks(names: Any) -> list[int]:
