@@ -15,6 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridnorm import plain_data
+from hybridnorm.config_base import parse_text
+from hybridnorm.errors import ConfigError
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
@@ -145,3 +147,49 @@ def test_a_yaml_alias_cycle_is_refused_not_recursed_forever(tmp_path, capsys) ->
     f = tmp_path / "cycle.yaml"
     f.write_text("model: &a [*a]\n")
     assert_refused(["train", str(f)], capsys, [str(f), "nested deeper than"], tmp_path)
+
+
+def _alias_bomb(levels: int, fan: int = 10) -> str:
+    """A YAML list whose anchors each hold ``fan`` aliases of the one before: ``fan ** levels`` leaves,
+    ``sum(fan ** i for i in range(levels + 1))`` values with the containers, from a few lines of text."""
+    items = ["&a0 [" + ", ".join(['"x"'] * fan) + "]"]
+    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * fan) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+def _expanded(levels: int, fan: int = 10) -> int:
+    """The hand count of :func:`_alias_bomb`'s values: the outer list, and anchor i's subtree for each i."""
+    sub = [1 + fan]  # a0: the list and its fan leaves
+    for _ in range(1, levels):
+        sub.append(1 + fan * sub[-1])
+    return 1 + sum(sub)
+
+
+@pytest.mark.parametrize("where", ["optim:\n  lr: {bomb}\n", "model:\n  placement:\n    junk: {bomb}\n",
+                                   "model:\n  d_model: {bomb}\n"])
+def test_a_yaml_alias_bomb_is_refused_before_anything_walks_or_prints_it(tmp_path, capsys, where) -> None:
+    """Nine levels of ten aliases: ~1.1e9 values from one line. Before the size rule, an error message's
+    repr of it ran out of memory after ~50 s; now the reader counts distinct nodes and refuses it."""
+    f = tmp_path / "bomb.yaml"
+    f.write_text(where.format(bomb=_alias_bomb(9)))
+    line = assert_refused(["train", str(f), "--out", str(tmp_path / "out")], capsys, [str(f)], tmp_path)
+    assert f"expands to more than {plain_data.MAX_VALUES:,} values" in line
+    with pytest.raises(ConfigError, match="expands to more than"):  # an override is read by the same reader
+        parse_text(_alias_bomb(9), "yaml")
+
+
+@pytest.mark.parametrize("levels", [2, 3, 4])
+def test_the_size_rule_counts_every_alias_use_as_a_copy(levels) -> None:
+    n = _expanded(levels)
+    data = parse_text(_alias_bomb(levels), "yaml")
+    plain_data.check_size(data, limit=n)  # exactly at the limit: read
+    with pytest.raises(ValueError, match=f"more than {n - 1:,} values"):
+        plain_data.check_size(data, limit=n - 1)
+
+
+def test_a_big_value_under_the_limit_is_named_in_a_short_error_line(tmp_path, capsys) -> None:
+    f = tmp_path / "big.yaml"
+    f.write_text(f"optim:\n  lr: {_alias_bomb(4)}\n")  # 11,111 leaves: read, then refused as no number
+    line = assert_refused(["train", str(f), "--out", str(tmp_path / "out")], capsys,
+                          [str(f), "optim.lr=[", "must be a finite number"], tmp_path)
+    assert len(line) < 2000

@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import operator
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -30,6 +31,19 @@ from hybridnorm.errors import ConfigError
 
 C = TypeVar("C", bound="Config")
 _BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+
+_SHOW = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHOW.maxlevel, _SHOW.maxdict, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxset = 3, 6, 6, 6, 6
+_SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 120, 60, 120
+SHOW_CHARS = 400
+
+
+def show(value: Any) -> str:
+    """``repr(value)`` for an error message, cut short for a long string or a big container: an error must
+    not print a large value whole, nor walk all of it (reprlib stops at a few items per level)."""
+    text = _SHOW.repr(value)
+    return text if len(text) <= SHOW_CHARS else text[:SHOW_CHARS - 4] + " ..."
 
 
 def bounded(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
@@ -89,48 +103,48 @@ def coerce(where: str, value: Any, tp: Any) -> Any:
                 return coerce(where, value, option)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+        raise ConfigError(f"{where}={show(value)} must be {describe(tp)}")
     if origin is Literal:
         if value in args and type(value) in {type(a) for a in args}:  # True is not 1
             return value
-        raise ConfigError(f"{where}={value!r} is not {describe(tp)}")
+        raise ConfigError(f"{where}={show(value)} is not {describe(tp)}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+            raise ConfigError(f"{where}={show(value)} must be {describe(tp)}")
         if args and args[-1] is Ellipsis:
             return tuple(coerce(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value))
         if len(value) != len(args):
-            raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+            raise ConfigError(f"{where}={show(value)} must be {describe(tp)}")
         return tuple(coerce(f"{where}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if isinstance(value, dict):
             return from_mapping(tp, value, where)
-        raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+        raise ConfigError(f"{where}={show(value)} must be {describe(tp)}")
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
             try:
                 value = float(value)
             except ValueError:
-                raise ConfigError(f"{where}={value!r} must be a finite number") from None
+                raise ConfigError(f"{where}={show(value)} must be a finite number") from None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
-                raise ConfigError(f"{where}={value!r} must be a finite number")
+                raise ConfigError(f"{where}={show(value)} must be a finite number")
             return float(value)
-        raise ConfigError(f"{where}={value!r} must be a finite number")
+        raise ConfigError(f"{where}={show(value)} must be a finite number")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():  # 1e3 in YAML is a float
             return int(value)
-        raise ConfigError(f"{where}={value!r} must be an integer")
+        raise ConfigError(f"{where}={show(value)} must be an integer")
     if tp in (bool, str):
         if isinstance(value, str) and not is_utf8(value):  # bytes that are not UTF-8, from argv or a path
-            raise ConfigError(f"{where}={value!r} is not valid UTF-8 text")
+            raise ConfigError(f"{where}={show(value)} is not valid UTF-8 text")
         if isinstance(value, tp):
             return value
-        raise ConfigError(f"{where}={value!r} must be {describe(tp)}")
+        raise ConfigError(f"{where}={show(value)} must be {describe(tp)}")
     if tp is Any or tp is dict or typing.get_origin(tp) is dict:
         return value
     raise TypeError(f"config field {where}: unsupported type hint {tp!r}")  # a bug in a config class
@@ -151,14 +165,14 @@ def check_bounds(where: str, value: Any, bounds: dict[str, float]) -> None:
         return
     if not all(_BOUNDS[k][0](value, bound) for k, bound in bounds.items()):
         rule = " and ".join(f"{_BOUNDS[k][1]} {bound:g}" for k, bound in bounds.items())
-        raise ConfigError(f"{where}={value!r} must be {rule}")
+        raise ConfigError(f"{where}={show(value)} must be {rule}")
 
 
 def from_mapping(cls: type, d: Any, where: str) -> Any:
     """Build the dataclass ``cls`` from a mapping: unknown keys refused, every field type-checked."""
     if not isinstance(d, dict):
         raise ConfigError(f"{where or 'config'}: expected a section (mapping of fields), got "
-                          f"{type(d).__name__} {d!r}")
+                          f"{type(d).__name__} {show(d)}")
     check_fields(where or "config", d, cls)
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
@@ -345,6 +359,7 @@ def parse_text(text: str, kind: str) -> Any:
             return plain_data.loads(text, object_pairs_hook=_unique_keys)  # the depth limit included
         data = yaml.load(text, Loader=_StrictYamlLoader)  # a SafeLoader subclass: no object-building tags
         plain_data.check_depth(data)  # the same limit as JSON; also stops an alias cycle (&a [*a])
+        plain_data.check_size(data)  # an alias bomb: a few lines that expand to 10^9 values
         return data
     except plain_data.NestingError as e:
         raise ConfigError(f"config is not valid {kind}: {e}") from None

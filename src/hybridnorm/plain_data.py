@@ -1,4 +1,5 @@
-"""The one reader of JSON (and the depth rule of YAML): plain data, nested at most :data:`MAX_DEPTH` deep.
+"""The one reader of JSON (and the depth and size rules of YAML): plain data, nested at most :data:`MAX_DEPTH`
+deep; a YAML document also expands to at most :data:`MAX_VALUES` values (its aliases counted as copies).
 
 Every JSON text hybridnorm reads from disk goes through :func:`loads` — config files, a Hugging Face
 folder's ``config.json`` and shard index, ``tokenizer.json``, JSONL corpora and multiple-choice files,
@@ -20,10 +21,15 @@ from typing import Any
 # serde_json's 128 (so the tokenizers library never meets a deeper file), and far below Python's recursion
 # limit (so what passes can be deep-copied, dumped and type-checked recursively).
 MAX_DEPTH = 100
+# Values a YAML document may expand to, counting every use of an alias (&a / *a) as a copy: a config holds
+# hundreds; an alias bomb (nine levels of ten aliases each: 40 lines, 10^9 values) would hang and exhaust
+# memory in the first consumer that walks or prints it (a copy, a merge, an error message's repr).
+MAX_VALUES = 100_000
 
 
 class NestingError(ValueError):
-    """A document nested deeper than :data:`MAX_DEPTH` (or with a reference cycle, which YAML can make)."""
+    """A document nested deeper than :data:`MAX_DEPTH` (or with a reference cycle, which YAML can make), or
+    one whose YAML aliases expand it past :data:`MAX_VALUES` values."""
 
 
 def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
@@ -43,6 +49,24 @@ def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
                 if isinstance(child, (dict, list, tuple)):
                     seen[id(child)] = child
         level = list(seen.values())
+
+
+def check_size(value: Any, limit: int = MAX_VALUES) -> None:
+    """Raise :class:`NestingError` if ``value`` expands to more than ``limit`` values (containers and
+    scalars, each alias use counted as a copy). Counts each distinct container once, so the check itself
+    costs the document's nodes, not its expansion. Call it after :func:`check_depth` (no cycles left)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: Any, depth: int) -> int:  # recursion bounded by check_depth's limit
+        if not isinstance(node, (dict, list, tuple)):
+            return 1
+        if id(node) not in sizes:
+            children = node.values() if isinstance(node, dict) else node
+            sizes[id(node)] = min(1 + sum(size(c, depth + 1) for c in children), limit + 1)
+        return sizes[id(node)]
+
+    if size(value, 0) > limit:
+        raise NestingError(f"it expands to more than {limit:,} values (YAML aliases reused that often)")
 
 
 def loads(text: str | bytes, *, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
