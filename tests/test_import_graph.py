@@ -23,6 +23,7 @@ MAX_LINES = 400
 LAYERS: list[tuple[str, str]] = [
     ("hybridnorm.errors", "the exception every layer raises"),
     ("hybridnorm.plain_data", "the one JSON reader and the nesting limit of every JSON/YAML document"),
+    ("hybridnorm.config_text", "reading config text: safe YAML with unique keys, JSON, the depth/size limits"),
     ("hybridnorm.config_base", "the one config mechanism: typed dataclass fields checked from their hints"),
     ("hybridnorm.placements", "placements as data: block specs, the name registry/grammar, equations"),
     ("hybridnorm.nn", "the model; it reads a ModelConfig object but never imports hybridnorm.config"),

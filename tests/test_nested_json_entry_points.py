@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridnorm import plain_data
-from hybridnorm.config_base import parse_text
+from hybridnorm.config_text import parse_text
 from hybridnorm.errors import ConfigError
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")

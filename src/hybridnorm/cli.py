@@ -13,7 +13,8 @@ import sys
 import warnings
 
 from hybridnorm.cli_parser import build_parser
-from hybridnorm.config_base import is_utf8, parse_text
+from hybridnorm.config_base import is_utf8
+from hybridnorm.config_text import parse_text
 from hybridnorm.errors import CollectiveError, ConfigError
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 1, 2, 3, 130

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridnorm import plain_data
-from hybridnorm.config_base import read_file
+from hybridnorm.config_text import read_file
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.verdict import Verdict, collapse_signals, judge
 from hybridnorm.placements import registry

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from hybridnorm.config import ModelConfig
-from hybridnorm.config_base import Config, bounded, check_bounds, check_fields, coerce, read_file
+from hybridnorm.config_base import Config, bounded, check_bounds, check_fields, coerce
+from hybridnorm.config_text import read_file
 from hybridnorm.data.tokenizer import MIN_BPE_VOCAB
 from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.errors import ConfigError
