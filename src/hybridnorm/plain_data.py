@@ -57,15 +57,15 @@ def check_size(value: Any, limit: int = MAX_VALUES) -> None:
     costs the document's nodes, not its expansion. Call it after :func:`check_depth` (no cycles left)."""
     sizes: dict[int, int] = {}
 
-    def size(node: Any, depth: int) -> int:  # recursion bounded by check_depth's limit
+    def size(node: Any) -> int:  # recursion bounded by check_depth's limit
         if not isinstance(node, (dict, list, tuple)):
             return 1
         if id(node) not in sizes:
             children = node.values() if isinstance(node, dict) else node
-            sizes[id(node)] = min(1 + sum(size(c, depth + 1) for c in children), limit + 1)
+            sizes[id(node)] = min(1 + sum(size(c) for c in children), limit + 1)
         return sizes[id(node)]
 
-    if size(value, 0) > limit:
+    if size(value) > limit:
         raise NestingError(f"it expands to more than {limit:,} values (YAML aliases reused that often)")
 
 

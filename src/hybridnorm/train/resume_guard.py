@@ -11,7 +11,7 @@ run's ``config.yaml`` edited by hand since cannot vouch for it), or the run fold
 written before those copies existed:
 
 * the tokenizer must be the same one (its fingerprint; checked first, as a new tokenizer usually brings a
-  new vocab size too), and a damaged ``tokenizer.json`` in the run folder is one error naming it;
+  new vocab size too), and a damaged recorded ``tokenizer.json`` is one error naming it;
 * the model's architecture must be the same: every ``model`` field but the ones that do not change the
   function a checkpoint computes (:data:`FREE_MODEL_FIELDS`); otherwise one error listing each field with
   its recorded and requested value;
@@ -43,13 +43,13 @@ RUN_CONTROL_FIELDS = frozenset({"out_dir", "data.cache_dir", "max_minutes", "sto
                                 "global_batch", "dist_timeout", "async_checkpoint"})
 
 
-def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Path | None = None) -> list[str]:
+def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Path) -> list[str]:
     """Check that ``cfg`` (vocab and precision resolved) and ``tokenizer`` continue the run in ``run_dir``,
     whose checkpoint ``ckpt`` is about to be loaded. Returns the dotted fields that differ from the recorded
     ``config.yaml`` (``ckpt``'s copy, else the run's) and may (sorted); raises ConfigError for the ones that
     may not, or a tokenizer that is not the recorded one. Without a recorded config or tokenizer (an older
     layout) that is not checked."""
-    recorded_tok = checked_run_file(ckpt, "tokenizer.json") if ckpt is not None else run_dir / "tokenizer.json"
+    recorded_tok = checked_run_file(ckpt, "tokenizer.json")
     if recorded_tok.is_file():
         theirs = load_tokenizer(recorded_tok)  # ConfigError naming the file if it is damaged
         if theirs.fingerprint != tokenizer.fingerprint:
@@ -57,7 +57,7 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Pa
                               f"{cfg.data.tokenizer!r} with data.source={cfg.data.source!r} gives a tokenizer "
                               f"that differs from the run's {recorded_tok}; resume with the run's data settings (its "
                               f"config.yaml), or pass --data.tokenizer={recorded_tok} to keep its tokenizer")
-    recorded_cfg = checked_run_file(ckpt, "config.yaml") if ckpt is not None else run_dir / "config.yaml"
+    recorded_cfg = checked_run_file(ckpt, "config.yaml")
     if not recorded_cfg.is_file():
         return []
     recorded, requested = TrainConfig.load(recorded_cfg).to_dict(), cfg.to_dict()
