@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import hybridnorm as hn
 from hybridnorm.nn.kernels import float8 as f8
 from hybridnorm.nn.kernels.float8 import Float8Linear, convert_to_float8, float8_linear
+from hybridnorm.nn.moe import Router
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0  # the formats' largest finite values (OCP FP8 spec)
 # torch < 2.7-ish has no CPU kernel for torch._scaled_mm: the trainer refuses float8 there (tested below)
@@ -139,7 +140,7 @@ def test_conversion_swaps_only_the_block_linears_and_keeps_parameters_and_names(
     # the MoE FFN keeps its experts (3-D parameters) and router; attention's two linears swap in each block
     assert swapped == [f"blocks.{i}.attn.{n}" for i in range(2) for n in ("w_qkv", "w_o")]
     assert all(type(model.get_submodule(n)) is Float8Linear for n in swapped)
-    assert type(model.lm_head) is torch.nn.Linear and type(model.blocks[0].ffn.router) is torch.nn.Linear
+    assert type(model.lm_head) is torch.nn.Linear and type(model.blocks[0].ffn.router) is Router
     after = dict(model.named_parameters())
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())

@@ -204,3 +204,37 @@ def test_model_loss_takes_the_plain_line_without_fast_kernels_or_with_head_hooks
     loss, aux = model(ids[:, :-1], targets=ids[:, 1:], return_aux=True)
     assert seen == [(2, 8, model.config.embedding_size)] and aux == {}  # the hook saw the logits
     assert _rel_err(loss, lm_loss(model(ids[:, :-1]), ids[:, 1:], fast=False)) <= 1e-6
+
+
+class _Adapted(torch.nn.Module):
+    """What PEFT's LoRA or a quantized layer makes of a linear: ``.weight`` still names the frozen base
+    weight, while the forward adds what that weight alone does not hold."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.delta = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.delta(x)
+
+
+def test_a_wrapped_untied_head_is_called_as_a_module_by_the_loss(monkeypatch):
+    """The fused head + loss reads ``lm_head.weight``: for a head that is no plain ``nn.Linear`` that would
+    score the base weight alone and silently drop the wrapper's part, so the loss goes through the module."""
+    def refuse(*a):
+        raise AssertionError("fused kernel used")
+
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    model = _model(tie=False)
+    with torch.no_grad():
+        base_only = model(ids[:, :-1], targets=ids[:, 1:])
+    model.lm_head = _Adapted(model.lm_head)
+    monkeypatch.setattr(kernels, "linear_cross_entropy", refuse)
+    loss = model(ids[:, :-1], targets=ids[:, 1:])
+    assert _rel_err(loss, lm_loss(model(ids[:, :-1]), ids[:, 1:], fast=False)) <= 1e-6
+    assert (loss - base_only).abs() > 1e-3  # the wrapper's part is in the loss

@@ -197,3 +197,24 @@ def test_bf16_autocast_close_to_fp32(dispatch: str) -> None:
     y16.float().sum().backward()
     assert m.w_in.grad is not None and m.w_in.grad.dtype == torch.float32
     assert torch.isfinite(m.w_in.grad).all()
+
+
+def test_the_router_is_called_as_a_module_in_fp32_under_autocast_and_for_bf16_weights() -> None:
+    """What wraps the router takes part (a forward hook here; PEFT's LoRA in tests/hf/test_hf_peft.py): it
+    sees the fp32 (N, E) logits the routing uses, under bf16 autocast and with the weight itself in bf16."""
+    m = make()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(7))
+    seen: list[torch.Tensor] = []
+    m.router.register_forward_hook(lambda mod, args, out: seen.append(out))
+    m.record = []
+    m(x)
+    assert len(seen) == 1 and seen[0].dtype == torch.float32 and seen[0].shape == (10, 4)
+    assert torch.equal(seen[0], m.record[0])
+    torch.testing.assert_close(seen[0], x.reshape(-1, 8) @ m.router.weight.T, rtol=1e-6, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x)
+    assert seen[1].dtype == torch.float32 and torch.equal(seen[1], seen[0])  # autocast does not reach it
+    m.router.to(torch.bfloat16)
+    m(x)
+    assert seen[2].dtype == torch.float32
+    torch.testing.assert_close(seen[2], x.reshape(-1, 8) @ m.router.weight.float().T, rtol=1e-6, atol=1e-6)

@@ -143,9 +143,11 @@ class TransformerLM(nn.Module):
 
     def _loss(self, x: Tensor, targets: Tensor) -> Tensor:
         """lm_loss(head(x), targets); x (B, T, d) after the final norm. The fused kernel reads the head's
-        weight directly, so an untied head with hooks goes through the module (its hooks fire)."""
+        weight directly, so an untied head that is not a plain ``nn.Linear`` without hooks (a hook, PEFT's
+        LoRA wrapper, a parametrized or quantized layer) goes through the module."""
         fast = self.config.fast_kernels
-        if kernels.active(fast) and (self.lm_head is None or not has_hooks(self.lm_head)):
+        if kernels.active(fast) and (self.lm_head is None
+                                     or (type(self.lm_head) is nn.Linear and not has_hooks(self.lm_head))):
             return kernels.linear_cross_entropy(x.flatten(0, 1), self._head_weight(), targets.flatten())
         return lm_loss(self.head(x), targets, fast=fast)
 

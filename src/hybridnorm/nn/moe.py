@@ -80,6 +80,15 @@ def mean_router_losses(per_layer: list[dict[str, Tensor]], cfg) -> dict[str, Ten
     return {"lb_loss": lb, "z_loss": z, "aux_loss": cfg.lb_loss_weight * lb + cfg.z_loss_weight * z}
 
 
+class Router(nn.Linear):
+    """The router's linear layer z = x W_rᵀ, computed in fp32 whatever the weight's dtype (a model loaded in
+    bf16): bf16 logits would flip near-tied top-k choices and blur the softmax that both the gate weights and
+    the aux losses depend on. The same parameter and state-dict name as the ``nn.Linear`` it refines."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.float(), self.weight.float())  # (N, E) fp32
+
+
 class MoEFFN(nn.Module):
     """Top-k routed SwiGLU experts; forward takes (B, T, d) or (N, d) and returns the same shape.
 
@@ -96,7 +105,7 @@ class MoEFFN(nn.Module):
         self.cfg = cfg
         self.d_model, self.hidden = d_model, hidden
         n_exp = cfg.num_experts
-        self.router = nn.Linear(d_model, n_exp, bias=False)  # weight (E, d)
+        self.router = Router(d_model, n_exp, bias=False)  # weight (E, d)
         self.w_in = nn.Parameter(torch.empty(n_exp, d_model, 2 * hidden))  # fused [gate | up] per expert
         self.w_out = nn.Parameter(torch.empty(n_exp, hidden, d_model))
         # Placeholder init; the model's init scheme overwrites all three.
@@ -122,10 +131,10 @@ class MoEFFN(nn.Module):
         n_tok, n_exp, k = x.shape[0], self.cfg.num_experts, self.cfg.top_k
         dev = x.device.type
 
-        # Router in fp32 even under autocast: bf16 logits would flip near-tied top-k choices and blur
-        # the softmax that both the gate weights and the aux losses depend on.
+        # Called as a module, not F.linear on its weight, so that what wraps it (hooks, PEFT's LoRA) takes
+        # part; with autocast off, so that a wrapper's own linears run in fp32 too.
         with torch.autocast(device_type=dev, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())  # (N, E)
+            logits = self.router(x.float()).float()  # (N, E)
         probs = logits.softmax(dim=-1)  # (N, E)
         top_w, top_e = probs.topk(k, dim=-1)  # (N, k), (N, k)
         if self.cfg.normalize_topk:
