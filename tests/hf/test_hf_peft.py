@@ -154,3 +154,20 @@ def test_moe_experts_and_router_take_lora_and_merge_to_the_adapted_function() ->
         got = adapted(input_ids=ids).logits
         assert (got - base.eval()(ids).logits).abs().max() > 1e-2
         torch.testing.assert_close(adapted.merge_and_unload()(ids).logits, got, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_folder_given_as_a_model_says_what_it_is_and_how_to_merge_it(tmp_path: Path, capsys) -> None:
+    """``save_pretrained`` of a PEFT model writes the adapter alone; each command that takes a model folder
+    refuses it in one line that names it as an adapter and its base model, and writes nothing."""
+    from bad_input_helpers import assert_refused
+
+    make().save_pretrained(tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                   LoraConfig(r=2, target_modules=["w_qkv"])).save_pretrained(adapter)
+    needles = ["PEFT adapter folder", str(tmp_path / "base"), "merge_and_unload"]
+    for argv in (["generate", str(adapter), "--prompt", "x"], ["eval", str(adapter)],
+                 ["export", str(adapter), "--to", "hf", str(tmp_path / "out")],
+                 ["import", str(adapter), "--out", str(tmp_path / "run")]):
+        assert_refused(argv, capsys, needles, tmp_path)
+        assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()

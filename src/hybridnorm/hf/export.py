@@ -28,7 +28,7 @@ from hybridnorm.train.checkpoint import RUN_FILES, TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
 from hybridnorm.train.preflight import check_fits, check_output_folder, staged_folder
-from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
+from hybridnorm.train.run import Run, adapter_hint, check_run_fits, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCH_CHOICES: tuple[str, ...] = ("auto", MODEL_TYPE, *stock.BY_TYPE)
@@ -202,7 +202,8 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
 def _hf_folder(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)")
+        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)"
+                          + adapter_hint(path))
     return path
 
 

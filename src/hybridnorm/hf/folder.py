@@ -37,6 +37,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.hf import stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.train import tensor_check
+from hybridnorm.train.run import adapter_hint
 
 CONFIG_MAX_BYTES = 16 << 20  # real configs are a few KB; a bigger file is not worth parsing
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -103,7 +104,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     a ConfigError naming the file and the field otherwise."""
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ConfigError(f"{Path(path)} is not a Hugging Face model folder (no config.json)")
+        raise ConfigError(f"{Path(path)} is not a Hugging Face model folder (no config.json)"
+                          + adapter_hint(path))
     try:
         if file.stat().st_size > CONFIG_MAX_BYTES:
             raise ConfigError(f"{file} is {file.stat().st_size:,} bytes; a model config is at most "

@@ -7,9 +7,12 @@ each other.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridnorm import plain_data
+from hybridnorm.config_base import show
 from hybridnorm.data import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
@@ -48,6 +51,26 @@ def check_run_fits(path: str | Path, copies: int = 1) -> None:
     check_fits(cfg.model, "cpu", training=False, copies=copies, what=f"the model of {ckpt or run_dir}")
 
 
+ADAPTER_CONFIG_MAX_BYTES = 1 << 20  # an adapter_config.json is a few KB; a bigger one only loses the hint
+
+
+def adapter_hint(path: str | Path) -> str:
+    """For the error about a folder that holds no model: if it is a PEFT adapter folder (LoRA weights alone,
+    useless without their base model), what to do with it; else ``""``."""
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        return ""
+    base = ""
+    with contextlib.suppress(OSError, ValueError, ConfigError):  # only a hint: a bad file just loses it
+        file = path / "adapter_config.json"
+        data = plain_data.loads(file.read_bytes()) if file.stat().st_size <= ADAPTER_CONFIG_MAX_BYTES else None
+        if isinstance(data, dict) and isinstance(data.get("base_model_name_or_path"), str):
+            base = f" ({show(data['base_model_name_or_path'])})"
+    return (f"; it is a PEFT adapter folder (adapter_config.json: LoRA weights only): merge it into its base "
+            f"model{base} first, PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), ADAPTER)"
+            ".merge_and_unload().save_pretrained(OUT), and save the base's tokenizer to OUT too")
+
+
 def is_hf_folder(path: str | Path) -> bool:
     """A Hugging Face model folder: a ``config.json`` and no run ``config.yaml``."""
     path = Path(path)
@@ -67,7 +90,7 @@ def open_run(path: str | Path) -> Run:
         if ckpt is None:
             raise CheckpointError(f"{path} has no usable checkpoint" + (
                 f" ({len(bad)} found, none verifies; the newest: {bad[0]})" if bad
-                else " (no checkpoints/step_* folder)"))
+                else " (no checkpoints/step_* folder)") + adapter_hint(path))
     # the files this checkpoint was written with (its own copies; an older checkpoint's are its run's)
     cfg_file, tok_file = checked_run_file(ckpt, "config.yaml"), checked_run_file(ckpt, "tokenizer.json")
     cfg = TrainConfig.load(cfg_file)
