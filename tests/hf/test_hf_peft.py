@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("peft", reason="peft is in the dev extra")
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import IA3Config, LNTuningConfig, LoraConfig, PeftModel, get_peft_model
 from test_hf_tools import NEW, cli_generate
 from test_hf_trainer import collate, make
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
@@ -64,6 +64,32 @@ def test_lora_on_every_linear_equals_the_hand_merged_weights(placement: str) -> 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # PEFT's own merge agrees with the hand merge, and the base weights were kept
         torch.testing.assert_close(adapted.merge_and_unload()(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+NORMS = ["q_norm", "k_norm", "v_norm", "attn_norm", "ffn_norm", "attn_out_norm", "ffn_out_norm", "final_norm"]
+
+
+@pytest.mark.parametrize("method", ["ln_tuning", "ia3"])
+@pytest.mark.parametrize("placement", ["hybridnorm_star", "pre", "olmo2", "peri"])
+def test_every_parameter_ln_tuning_and_ia3_train_reaches_the_logits(placement: str, method: str) -> None:
+    """PEFT's LN tuning swaps each norm for a wrapper holding a trainable copy, IA3 scales the linears: each
+    trainable tensor, scaled alone, must change the logits. A fast path that read a norm's gain or a weight
+    past its module (the fused Q/K/V kernel reads the Q/K/V norms' gains) would leave one dead."""
+    cfg = LNTuningConfig(target_modules=NORMS) if method == "ln_tuning" else \
+        IA3Config(target_modules=sorted(LINEARS), feedforward_modules=["w_out"])
+    base = make(placement)
+    adapted = get_peft_model(base, cfg).eval()
+    trainable = [(n, p) for n, p in adapted.named_parameters() if p.requires_grad]
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    n_norms = sum(1 for name, _ in base.named_modules() if name.rsplit(".", 1)[-1] in NORMS)
+    assert len(trainable) == (n_norms if method == "ln_tuning" else 4 * base.config.num_hidden_layers)
+    with torch.no_grad():
+        before = adapted(input_ids=ids).logits
+        for name, p in trainable:
+            kept = p.clone()
+            p.mul_(1.5)
+            assert not torch.equal(adapted(input_ids=ids).logits, before), f"{name} does not reach the logits"
+            p.copy_(kept)
 
 
 def test_lora_fine_tunes_an_exported_run_and_every_saved_form_gives_its_logits(
