@@ -132,7 +132,7 @@ class MoEFFN(nn.Module):
         dev = x.device.type
 
         # Called as a module, not F.linear on its weight, so that what wraps it (hooks, PEFT's LoRA) takes
-        # part; with autocast off, so that a wrapper's own linears run in fp32 too.
+        # part; with autocast off, so that a wrapper's own linears are not cast to bf16 either.
         with torch.autocast(device_type=dev, enabled=False):
             logits = self.router(x.float()).float()  # (N, E)
         probs = logits.softmax(dim=-1)  # (N, E)

@@ -55,7 +55,7 @@ ADAPTER_CONFIG_MAX_BYTES = 1 << 20  # an adapter_config.json is a few KB; a bigg
 
 
 def adapter_hint(path: str | Path) -> str:
-    """For the error about a folder that holds no model: if it is a PEFT adapter folder (LoRA weights alone,
+    """For the error about a folder that holds no model: if it is a PEFT adapter folder (adapter weights alone,
     useless without their base model), what to do with it; else ``""``."""
     path = Path(path)
     if not (path / "adapter_config.json").is_file():
@@ -66,7 +66,7 @@ def adapter_hint(path: str | Path) -> str:
         data = plain_data.loads(file.read_bytes()) if file.stat().st_size <= ADAPTER_CONFIG_MAX_BYTES else None
         if isinstance(data, dict) and isinstance(data.get("base_model_name_or_path"), str):
             base = f" ({show(data['base_model_name_or_path'])})"
-    return (f"; it is a PEFT adapter folder (adapter_config.json: LoRA weights only): merge it into its base "
+    return (f"; it is a PEFT adapter folder (adapter_config.json: adapter weights only): merge it into its base "
             f"model{base} first, PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), ADAPTER)"
             ".merge_and_unload().save_pretrained(OUT), and save the base's tokenizer to OUT too")
 
