@@ -1,6 +1,7 @@
-"""LoRA fine-tuning of ``HybridNormForCausalLM`` through PEFT's own entry points (``get_peft_model``,
-``Trainer``, ``save_pretrained`` / ``PeftModel.from_pretrained``, ``merge_and_unload``), the way users adapt
-an exported model. The oracle is the LoRA equation itself: a wrapped linear computes W x + (α/r)·B A x, so
+"""PEFT adapters (LoRA, LN tuning, IA3) on ``HybridNormForCausalLM`` through PEFT's own entry points
+(``get_peft_model``, ``Trainer``, ``save_pretrained`` / ``PeftModel.from_pretrained``, ``merge_and_unload``),
+the way users adapt an exported model, and an adapter folder handed to our commands. The LoRA oracle is its
+equation: a wrapped linear computes W x + (α/r)·B A x, so
 the adapted model must equal our plain model whose every targeted weight is W + (α/r)·B A, merged by hand.
 That fails if any forward reads a weight past its module (a fused path calling ``F.linear`` on
 ``.weight`` directly would leave the adapter silently unused)."""
@@ -62,7 +63,7 @@ def test_lora_on_every_linear_equals_the_hand_merged_weights(placement: str) -> 
         want = hand_merged(base, adapted, alpha=8, r=4)(ids).logits
     assert (got - plain).abs().max() > 1e-2  # the adapter is in the forward
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    with torch.no_grad():  # PEFT's own merge agrees with the hand merge, and the base weights were kept
+    with torch.no_grad():  # PEFT's own merge agrees with the hand merge
         torch.testing.assert_close(adapted.merge_and_unload()(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
