@@ -10,10 +10,14 @@ ARGS ?=
 
 CONSTRAINTS ?= constraints.txt
 
+# tools/check_python.py: one clear line on a Python older than the pinned releases need (pip would fail in
+# its resolver instead)
 install:
+	$(PY) tools/check_python.py $(CONSTRAINTS)
 	$(PY) -m pip install -q "$(TORCH)" -e . -c $(CONSTRAINTS)
 
 install-dev:
+	$(PY) tools/check_python.py $(CONSTRAINTS)
 	$(PY) -m pip install -q "$(TORCH)" -e ".[dev]" -c $(CONSTRAINTS)
 
 # The main job: the default small HybridNorm* LM on the embedded KJV corpus. Re-running it continues an
