@@ -162,7 +162,7 @@ def test_moe_experts_and_router_take_lora_and_merge_to_the_adapted_function() ->
         torch.manual_seed(5)
         adapted = get_peft_model(copy.deepcopy(base), cfg)
         if checkpointing:
-            adapted.activation_checkpointing_enable()
+            adapted.gradient_checkpointing_enable()  # the name every supported transformers has (5.5 on)
         adapted.train()
         adapted(input_ids=ids, labels=ids).loss.backward()
         return adapted, {n: p.grad for n, p in adapted.named_parameters() if p.requires_grad}
