@@ -28,7 +28,7 @@ from hybridnorm.train.checkpoint import RUN_FILES, TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
 from hybridnorm.train.preflight import check_fits, check_output_folder, staged_folder
-from hybridnorm.train.run import Run, adapter_hint, check_run_fits, is_hf_folder, open_run
+from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCH_CHOICES: tuple[str, ...] = ("auto", MODEL_TYPE, *stock.BY_TYPE)
@@ -178,7 +178,7 @@ SLOW_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "vocab.json")
 def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     """A local HF folder as a :class:`~hybridnorm.train.run.Run` (model, tokenizer, a TrainConfig whose
     tokenizer is the folder's), so ``hybridnorm generate|eval`` take HF folders as they take runs."""
-    path = _hf_folder(path)
+    path = folder.model_folder(path)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         slow = next((n for n in SLOW_TOKENIZER_FILES if (path / n).is_file()), None)
@@ -199,19 +199,11 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer, tokenizer_file=tok_file)
 
 
-def _hf_folder(path: str | Path) -> Path:
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)"
-                          + adapter_hint(path))
-    return path
-
-
 def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False) -> Path:
     """A local HF folder -> a run folder (config.yaml, tokenizer.json, checkpoints/step_000000).
     ``allow_pickle``: read pickle weights (only) with ``torch.load(weights_only=True)``; the run folder
     written holds safetensors, so nothing downstream unpickles again."""
-    out = check_output_folder(out_dir, "run folder (--out)", inputs=[_hf_folder(path)])  # input named first
+    out = check_output_folder(out_dir, "run folder (--out)", inputs=[folder.model_folder(path)])  # input named first
     run = load_hf_run(path, allow_pickle=allow_pickle)
     cfg = run.config
     with staged_folder(out, "run folder") as tmp:  # all or nothing: no half run behind a failure

@@ -99,13 +99,19 @@ def _find_key(obj: Any, key: str) -> str | None:
     return None
 
 
+def model_folder(path: str | Path) -> Path:
+    """``path`` if it is a Hugging Face model folder (it has a ``config.json``); a ConfigError saying what it
+    is not (and what it is, for a PEFT adapter folder) otherwise."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)" + adapter_hint(path))
+    return path
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """``path/config.json`` as a dict that is safe to give to a config class (see the module docstring);
     a ConfigError naming the file and the field otherwise."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{Path(path)} is not a Hugging Face model folder (no config.json)"
-                          + adapter_hint(path))
+    file = model_folder(path) / "config.json"
     try:
         if file.stat().st_size > CONFIG_MAX_BYTES:
             raise ConfigError(f"{file} is {file.stat().st_size:,} bytes; a model config is at most "
