@@ -224,13 +224,23 @@ COMMANDS = {"train": _train, "compare": _experiment, "sweep": _experiment, "gene
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
-    if command != "train":
-        return _main(words, command, argv)
     from hybridnorm.train.stop import process_signals  # stdlib only: installed before torch is imported
 
-    # from here on a stop at start-up is "interrupted:" and 130, one in the loop saves first; a repeat breaks neither
+    # every command: SIGTERM as well as Ctrl-C unwinds (a half-written export or import folder, an eval's
+    # temporary file are removed on the way out) and ends in one "interrupted:" line and 130; in train's
+    # loop a stop saves first; a repeated signal breaks neither
     with process_signals():
         return _main(words, command, argv)
+
+
+def _interrupted(command: str | None) -> str:
+    """What an interrupted command leaves: true of the moment a KeyboardInterrupt reaches :func:`_main`."""
+    if command == "train":  # outside the loop (start-up, the final evaluation): a stop in it saved and returned
+        return ("interrupted: outside the training loop, so no checkpoint was lost; the same command with --resume "
+                "continues the run (or starts it, where none was written)")
+    if command in ("compare", "sweep"):
+        return "interrupted: finished runs and checkpoints are kept; run the same command again to continue"
+    return "interrupted: nothing was written (a partly written output is removed)"
 
 
 ONE_PROCESS_COMMANDS = ("generate", "eval", "export", "import", "gradprofile", "placements", "plan")
@@ -291,7 +301,7 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
         print(f"error: {' '.join(str(e).split())}{hint}", file=sys.stderr)  # one line, whatever the message
         return EXIT_FAILED if lost else EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("interrupted: checkpoints are saved; run the same command again to continue", file=sys.stderr)
+        print(_interrupted(args.command), file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         warnings.formatwarning = old_format

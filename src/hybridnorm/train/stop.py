@@ -28,8 +28,8 @@ def stop_requested() -> bool:
 def _note(signum: int) -> None:
     # os.write, not print: a handler may run in the middle of another write to sys.stderr
     with contextlib.suppress(OSError):
-        os.write(2, f"{signal.Signals(signum).name} again: already stopping — exiting as soon as the checkpoint "
-                    "(if one is due) is saved\n".encode())
+        os.write(2, f"{signal.Signals(signum).name} again: already stopping — exiting as soon as the stop is done "
+                    "(a checkpoint due is saved, a partly written output removed)\n".encode())
 
 
 class StopFlag:
@@ -70,8 +70,9 @@ def _outside_loop(signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def process_signals() -> Iterator[None]:
-    """For a process that trains and exits (the CLI): SIGINT and SIGTERM outside the training loop raise
-    KeyboardInterrupt — until a stop is under way, after which they are ignored. The handlers are restored
+    """For a command-line process (every command, not only train): SIGINT and SIGTERM outside a training
+    loop raise KeyboardInterrupt, so a command unwinds (removing what it half wrote) instead of dying where it
+    stands — until a stop is under way, after which they are ignored. The handlers are restored
     on leaving unless a stop happened: then the process is exiting with 130 and must stay unkillable by a
     repeated signal until it has."""
     global _stopping
