@@ -61,8 +61,10 @@ class HybridNormPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules: ClassVar[list[str]] = ["HybridNormDecoderLayer"]
     _skip_keys_device_placement: ClassVar[list[str]] = ["past_key_values", "cache"]
-    # eager and sdpa are the backends tested here; flash attention needs a GPU and flex attention inductor's
-    # C++ toolchain on CPU, neither at hand, so transformers refuses them for this class rather than run untested
+    # eager and sdpa are the backends tested here. flash attention needs a GPU; flex attention on the CPU (torch
+    # 2.13) gives sdpa's logits forward but has no backward, and its decode kernel fails to compile in
+    # generate() -- for stock Llama too (measured 2026-11-27) -- so neither could be tested here and
+    # transformers refuses both for this class rather than run them untested
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
