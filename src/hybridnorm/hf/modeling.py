@@ -92,7 +92,9 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         # whole TransformerLM. transformers guards the nn.init calls inside, so loaded weights are not redrawn.
         if isinstance(module, TransformerLM):
             module.reset_parameters()
-            module.reset_rope()
+            # the tables are computed, never loaded: they must hold numbers even where the embedding is still
+            # on the meta device after loading (a device_map that offloads it), or accelerate cannot place them
+            module.reset_rope(None if module.embed.weight.device.type != "meta" else torch.device("cpu"))
         elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
                 and all(module is not m for m in self.model.modules()):
             # one transformers made outside the model: resize_token_embeddings(mean_resizing=False)'s new

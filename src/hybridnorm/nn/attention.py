@@ -20,8 +20,9 @@ Fast kernels (``ModelConfig.fast_kernels``, the default; see :mod:`hybridnorm.nn
 are a contiguous run of ``QKV`` (none, Q, K, V, QK, KV or QKV: Pre-Norm, HybridNorm, QK-norm, ...), the
 lines from the split to RoPE run as ONE autograd Function (``kernels.QKVPrep``: one RMSNorm call over all
 normed heads, one RoPE pass, a backward that writes the projection's gradient directly). That Function does
-not call the q/k/v norm modules, so it is taken only while none of them has a hook and no global module
-hook is registered; otherwise the same math runs through the modules (and their hooks fire).
+not call the q/k/v norm modules, so it is taken only while none of them has a hook or a replaced forward
+(accelerate's offloading) and no global module hook is registered; otherwise the same math runs through
+the modules (and their hooks fire).
 """
 
 from __future__ import annotations
@@ -62,10 +63,13 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 
 def has_hooks(*modules: nn.Module) -> bool:
-    """Whether calling any of ``modules`` would run a hook: its own forward / pre-forward / backward hooks or a
-    global module hook (the test ``nn.Module.__call__`` makes before skipping its hook machinery)."""
+    """Whether calling any of ``modules`` would run more than its class's forward: its own forward /
+    pre-forward / backward hooks, a global module hook (the test ``nn.Module.__call__`` makes before skipping
+    its hook machinery), or a ``forward`` replaced on the instance — how accelerate attaches its hooks
+    (``device_map`` offloading loads a module's weights only inside its forward, leaving them on the meta
+    device elsewhere, where a kernel reading them would compute with garbage)."""
     return (any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                for m in modules)
+                or "forward" in vars(m) for m in modules)
             or any(getattr(torch_module, name, None) for name in _GLOBAL_HOOKS))
 
 

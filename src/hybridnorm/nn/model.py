@@ -53,12 +53,13 @@ class TransformerLM(nn.Module):
         self.reset_rope()
         self.reset_parameters()
 
-    def reset_rope(self) -> None:
-        """(Re)build the RoPE tables in fp32 on the embedding's device; they are not saved with the
-        weights, so a loader that builds the model on the meta device calls this after loading."""
+    def reset_rope(self, device: torch.device | None = None) -> None:
+        """(Re)build the RoPE tables in fp32 on ``device`` (default: the embedding's); they are not saved with
+        the weights, so a loader that builds the model on the meta device calls this after loading."""
         c = self.config
+        device = self.embed.weight.device if device is None else device
         cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)
-        self.rope_cos, self.rope_sin = cos.to(self.embed.weight.device), sin.to(self.embed.weight.device)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def reset_parameters(self) -> None:
         init_weights(self, self.config.resolved_init(), self.config.std)
@@ -132,14 +133,24 @@ class TransformerLM(nn.Module):
             x = x + self.dual_norm(dual)  # (B, T, d)
         return self.final_norm(x) if self.final_norm is not None else x
 
-    def _head_weight(self) -> Tensor:
-        """The LM head's (V, d) weight: the untied head's, or the embedding's when tied."""
-        return self.lm_head.weight if self.lm_head is not None else self.embed.weight
+    def _head_weight(self, x: Tensor) -> Tensor:
+        """The LM head's (V, d) weight, read outside any module's forward: the untied head's, or the
+        embedding's when tied. Refused when it is on the meta device and ``x`` is not: offloaded by accelerate
+        (a ``device_map`` with "cpu" or "disk", ``cpu_offload``), whose hooks load a weight only inside its own
+        module's forward, so reading it here would compute with garbage (torch returns one for a meta weight)."""
+        w = self.lm_head.weight if self.lm_head is not None else self.embed.weight
+        if w.is_meta and not x.is_meta:
+            where = "lm_head" if self.lm_head is not None else "embed (the tied head reads its weight)"
+            raise RuntimeError(f"the LM head's weight, {where}, is on the meta device: offloaded (an accelerate "
+                               "device_map with 'cpu' or 'disk', or cpu_offload), it is loaded only inside its "
+                               "module's own forward; keep the embedding on an execution device, e.g. "
+                               "device_map={'model.embed': 0, ...} or max_memory that holds it")
+        return w
 
     def head(self, x: Tensor) -> Tensor:
         """Logits (B, T, V) of final-normed hidden states x (B, T, d) (see :meth:`trunk`)."""
         # an untied head is called as a module, so that its hooks fire
-        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self._head_weight())  # (B, T, V)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self._head_weight(x))  # (B, T, V)
 
     def _loss(self, x: Tensor, targets: Tensor) -> Tensor:
         """lm_loss(head(x), targets); x (B, T, d) after the final norm. The fused kernel reads the head's
@@ -148,7 +159,7 @@ class TransformerLM(nn.Module):
         fast = self.config.fast_kernels
         if kernels.active(fast) and (self.lm_head is None
                                      or (type(self.lm_head) is nn.Linear and not has_hooks(self.lm_head))):
-            return kernels.linear_cross_entropy(x.flatten(0, 1), self._head_weight(), targets.flatten())
+            return kernels.linear_cross_entropy(x.flatten(0, 1), self._head_weight(x), targets.flatten())
         return lm_loss(self.head(x), targets, fast=fast)
 
     def aux_losses(self) -> dict[str, Tensor]:
