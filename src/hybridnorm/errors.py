@@ -2,6 +2,7 @@
 one line. Also the argument parser of every command, whose usage errors are such an exception."""
 
 import argparse
+import re
 import typing
 
 
@@ -13,6 +14,20 @@ class CollectiveError(RuntimeError):
     """A collective of the process group failed on this rank: it waited past ``dist_timeout`` for another
     rank (stuck, or busy elsewhere), or another rank's process went away. Every waiting rank raises it within
     the timeout instead of hanging; the message names the rank and the cause."""
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a write failed, in the OS's words ("No space left on device"), or None when ``e`` is not a failed
+    write. safetensors reports I/O errors as its own ``SafetensorError``, whose text wraps the OS error; an
+    error that wraps a failed write of ours (a checkpoint's) carries its reason as ``write_reason``."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    if isinstance(reason := getattr(e, "write_reason", None), str):
+        return reason
+    if type(e).__name__ == "SafetensorError":
+        m = re.search(r"I/O error: (.+?) \(os error \d+\)", str(e))
+        return m.group(1) if m else str(e)
+    return None
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from hybridnorm import plain_data
-from hybridnorm.errors import ConfigError
+from hybridnorm.errors import ConfigError, write_failure
 
 FP32_BYTES = 4
 TRAIN_BYTES_PER_PARAM = 4 + 4 + 2 * 4  # fp32 weights, gradients, AdamW exp_avg and exp_avg_sq
@@ -260,8 +260,10 @@ def staged_folder(out: Path, what: str) -> Iterator[Path]:
         os.umask(mask)
         os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700; the folder gets the usual mode
         os.rename(tmp, out)
-    except OSError as e:
-        raise ConfigError(f"{what} {out}: cannot write: {e.strerror or e}") from None
+    except Exception as e:  # a full disk, a file-size limit: the OS's reason, naming the folder asked for
+        if (reason := write_failure(e)) is None:
+            raise
+        raise ConfigError(f"{what} {out}: cannot write: {reason}; nothing was left behind") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; removed on any failure
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import threading
 import warnings
@@ -44,7 +43,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
-from hybridnorm.errors import ConfigError
+from hybridnorm.errors import ConfigError, write_failure
 from hybridnorm.train.checkpoint.format import (
     FILES,
     MANIFEST,
@@ -111,10 +110,7 @@ def _fsync(path: Path) -> None:
 
 def _reason(e: BaseException) -> str:
     """'No space left on device', not a wrapped Rust error: safetensors reports I/O errors as its own type."""
-    if isinstance(e, OSError):
-        return e.strerror or str(e)
-    m = re.search(r"I/O error: (.+?) \(os error \d+\)", str(e))
-    return m.group(1) if m else str(e)
+    return write_failure(e) or str(e)
 
 
 def _clear_leftovers(root: Path) -> None:
@@ -176,10 +172,12 @@ class _Save:
 
     def error(self, e: BaseException | None) -> CheckpointSaveError:
         shutil.rmtree(self.tmp, ignore_errors=True)
-        why = f"{_reason(e)} (writing {self.where})" if e is not None else "another rank failed to write (its " \
-            "error says why)"
-        return CheckpointSaveError(f"saving checkpoint {self.final} failed: {why}; its temporary folder was removed "
-                                   f"and the earlier checkpoints in {self.root} are kept")
+        reason = _reason(e) if e is not None else "another rank failed to write (its error says why)"
+        why = f"{reason} (writing {self.where})" if e is not None else reason
+        err = CheckpointSaveError(f"saving checkpoint {self.final} failed: {why}; its temporary folder was removed "
+                                  f"and the earlier checkpoints in {self.root} are kept")
+        err.write_reason = reason  # what a caller that wrote it somewhere of its own reports (errors.write_failure)
+        return err
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
