@@ -4,6 +4,7 @@ outside a checkout or without git; and the trainer's meta record carries them.""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -43,6 +44,29 @@ def test_commit_and_dirty_flag_of_a_checkout(tmp_path):
     code_versions.cache_clear()
     assert code_versions(pkg) == {**clean, "git_dirty": True}
     assert describe(code_versions(pkg)).startswith(f"hybridnorm {hybridnorm.__version__} @ {first[:8]} (modified)")
+    code_versions.cache_clear()
+
+
+@needs_git
+def test_reading_the_commit_never_writes_in_the_checkout(tmp_path):
+    """A run starting reads its checkout's state; it must not take .git/index.lock there (the user may be
+    committing at that moment) nor rewrite the index, even when the index's stat data is stale, which
+    makes a plain `git status` refresh and rewrite it. A lock held by someone else changes nothing either."""
+    repo, pkg = tmp_path / "repo", tmp_path / "repo" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "pkg/a.py")
+    _git(repo, "commit", "-q", "-m", "one")
+    index = repo / ".git" / "index"
+    os.utime(pkg / "a.py", (1, 1))  # same content, new stat data: the index is stale
+    before = (index.read_bytes(), index.stat().st_mtime_ns)
+    code_versions.cache_clear()
+    assert code_versions(pkg)["git_dirty"] is False
+    assert (index.read_bytes(), index.stat().st_mtime_ns) == before
+    (repo / ".git" / "index.lock").write_bytes(b"")  # a user's `git commit` in progress
+    code_versions.cache_clear()
+    assert code_versions(pkg)["git_dirty"] is False and (repo / ".git" / "index.lock").read_bytes() == b""
     code_versions.cache_clear()
 
 

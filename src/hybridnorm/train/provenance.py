@@ -23,8 +23,11 @@ _CPUINFO = Path("/proc/cpuinfo")
 
 
 def _git(args: list[str], cwd: Path) -> str | None:
+    # --no-optional-locks: `git status` would otherwise refresh the index, taking .git/index.lock in the
+    # user's checkout while they may be committing there (their `git commit` then fails on the lock)
     try:
-        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
+        done = subprocess.run(["git", "--no-optional-locks", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):  # no git program, or it hung
         return None
     return done.stdout.strip() if done.returncode == 0 else None
