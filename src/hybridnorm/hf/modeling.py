@@ -17,8 +17,10 @@ builder (2-D padding masks, 4-D masks, static-cache lengths, packed sequences), 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -249,7 +251,8 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
             x = x[:, -logits_to_keep:] if logits_to_keep > 0 else x
         else:
             x = x[:, logits_to_keep]
-        logits = self.model.head(x)  # (B, T', V)
+        with _offloaded_weights_loaded(self.model.embed if self.model.lm_head is None else None):
+            logits = self.model.head(x)  # (B, T', V)
         router = self._router_losses(out.router_logits, attention_mask) \
             if isinstance(out, MoeModelOutputWithPast) else None
         loss = None
@@ -265,6 +268,23 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
         else:
             result = CausalLMOutputWithPast(**fields)
         return result if _return_dict(self.config, return_dict) else result.to_tuple()
+
+
+@contextlib.contextmanager
+def _offloaded_weights_loaded(module: torch.nn.Module | None) -> Iterator[None]:
+    """The tied head reads the embedding's weight outside the embedding's forward. Where accelerate has
+    offloaded the embedding (a ``device_map`` with "cpu" or "disk"), its hook loads that weight only around
+    the module's own forward, so run the hook's two halves around the read, as its forward wrapper does
+    (accelerate's ``ModelHook`` protocol). Without such a hook: nothing."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        yield
+        return
+    hook.pre_forward(module)
+    try:
+        yield
+    finally:
+        hook.post_forward(module, None)
 
 
 def _return_dict(config: HybridNormConfig, return_dict: bool | None) -> bool:
