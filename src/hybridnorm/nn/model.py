@@ -140,11 +140,12 @@ class TransformerLM(nn.Module):
         module's forward, so reading it here would compute with garbage (torch returns one for a meta weight)."""
         w = self.lm_head.weight if self.lm_head is not None else self.embed.weight
         if w.is_meta and not x.is_meta:
-            where = "lm_head" if self.lm_head is not None else "embed (the tied head reads its weight)"
+            name = "lm_head" if self.lm_head is not None else "embed"
+            where = name if self.lm_head is not None else "embed (the tied head reads its weight)"
             raise RuntimeError(f"the LM head's weight, {where}, is on the meta device: offloaded (an accelerate "
                                "device_map with 'cpu' or 'disk', or cpu_offload), it is loaded only inside its "
-                               "module's own forward; keep the embedding on an execution device, e.g. "
-                               "device_map={'model.embed': 0, ...} or max_memory that holds it")
+                               f"module's own forward; keep {name} on an execution device, e.g. "
+                               f"device_map={{'model.{name}': 0, ...}} or max_memory that holds it")
         return w
 
     def head(self, x: Tensor) -> Tensor:
