@@ -26,14 +26,20 @@ def _git(repo, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout
 
 
-@needs_git
-def test_commit_and_dirty_flag_of_a_checkout(tmp_path):
+def _one_commit_checkout(tmp_path):
+    """A throwaway repository with one commit of pkg/a.py; returns (repo, pkg)."""
     repo, pkg = tmp_path / "repo", tmp_path / "repo" / "pkg"
     pkg.mkdir(parents=True)
     (pkg / "a.py").write_text("x = 1\n")
     _git(repo, "init", "-q")
     _git(repo, "add", "pkg/a.py")
     _git(repo, "commit", "-q", "-m", "one")
+    return repo, pkg
+
+
+@needs_git
+def test_commit_and_dirty_flag_of_a_checkout(tmp_path):
+    repo, pkg = _one_commit_checkout(tmp_path)
     first = _git(repo, "log", "-1", "--format=%H").strip()
     clean = code_versions(pkg)
     assert clean["git_commit"] == first and clean["git_dirty"] is False
@@ -52,12 +58,7 @@ def test_reading_the_commit_never_writes_in_the_checkout(tmp_path):
     """A run starting reads its checkout's state; it must not take .git/index.lock there (the user may be
     committing at that moment) nor rewrite the index, even when the index's stat data is stale, which
     makes a plain `git status` refresh and rewrite it. A lock held by someone else changes nothing either."""
-    repo, pkg = tmp_path / "repo", tmp_path / "repo" / "pkg"
-    pkg.mkdir(parents=True)
-    (pkg / "a.py").write_text("x = 1\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", "pkg/a.py")
-    _git(repo, "commit", "-q", "-m", "one")
+    repo, pkg = _one_commit_checkout(tmp_path)
     index = repo / ".git" / "index"
     os.utime(pkg / "a.py", (1, 1))  # same content, new stat data: the index is stale
     before = (index.read_bytes(), index.stat().st_mtime_ns)
