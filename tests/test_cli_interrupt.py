@@ -119,3 +119,43 @@ def test_the_same_export_without_a_signal_writes_the_folder(folders, tmp_path) -
         hf, run, out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert Path(f"{marker}.held").exists() and (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_a_writer_killed_outright_leaves_a_folder_the_next_write_clears(folders, tmp_path) -> None:
+    """SIGKILL (or the OOM killer, a power cut) runs no cleanup: the hidden folder stays. The next export to
+    the same name removes it, since its writer (named in it: host and pid) is gone, and leaves alone the
+    folder of a writer still alive (this test's own pid) and one from another host."""
+    import socket
+
+    from hybridnorm.cli import main
+
+    hf, run = folders
+    parent = tmp_path / "outputs"
+    parent.mkdir()
+    out = parent / "out"
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(WRAPPER, encoding="utf-8")
+    marker, log = tmp_path / "marker", tmp_path / "cmd.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, str(wrapper), str(marker), CASES["export"][0],
+                                 *CASES["export"][1](hf, run, out)], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(f"{marker}.held").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait()
+    (killed,) = parent.iterdir()  # the killed writer's half folder, weights already in it
+    assert killed.name.startswith(".out.partial-") and (killed / "config.json").exists()
+    host = socket.gethostname().replace(".", "_")
+    alive = parent / f".out.partial-{host}-{os.getpid()}-keep"
+    elsewhere = parent / ".out.partial-another_host-1-keep"
+    for kept in (alive, elsewhere):
+        kept.mkdir()
+        (kept / "x").write_text("someone's", encoding="utf-8")
+
+    assert main(CASES["export"][1](hf, run, out)) == 0
+    assert sorted(p.name for p in parent.iterdir()) == sorted(["out", alive.name, elsewhere.name])
+    assert (out / "config.json").is_file() and (alive / "x").read_text(encoding="utf-8") == "someone's"
