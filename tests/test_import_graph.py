@@ -22,6 +22,7 @@ MAX_LINES = 400
 # package's __init__ only). Why this order:
 LAYERS: list[tuple[str, str]] = [
     ("hybridnorm.errors", "the exception every layer raises"),
+    ("hybridnorm.leftovers", "the temporaries a killed writer leaves, named by host and pid (stdlib only)"),
     ("hybridnorm.plain_data", "the one JSON reader and the nesting limit of every JSON/YAML document"),
     ("hybridnorm.config_text", "reading config text: safe YAML with unique keys, JSON, the depth/size limits"),
     ("hybridnorm.config_base", "the one config mechanism: typed dataclass fields checked from their hints"),

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
 
-from hybridnorm import plain_data
+from hybridnorm import leftovers, plain_data
 from hybridnorm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -217,9 +217,11 @@ def file_lock(folder: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
     """Write ``path`` all or nothing: into a temporary beside it, made readable by every user (a shared
-    cache), renamed over ``path`` only when the block finishes; on any error the temporary is removed."""
+    cache), renamed over ``path`` only when the block finishes; on any error the temporary is removed, and
+    one that a writer killed outright left is removed by the next write (:mod:`hybridnorm.leftovers`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    leftovers.clear_dead(path.parent, path.name, "tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=leftovers.temp_prefix(path.name, "tmp"), suffix=".tmp")
     try:
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f

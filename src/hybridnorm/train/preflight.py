@@ -34,11 +34,9 @@ make new folders); and never the command's input or a folder inside it. Files a 
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import re
 import shutil
-import socket
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -47,7 +45,7 @@ from typing import Any
 
 import torch
 
-from hybridnorm import plain_data
+from hybridnorm import leftovers, plain_data
 from hybridnorm.errors import ConfigError, write_failure
 
 FP32_BYTES = 4
@@ -249,38 +247,15 @@ def _written_by_us(marker: Path) -> bool:
     return isinstance(value, dict) and all(k in value for k in _MARKER_KEYS[marker.name])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, someone else's
-        return True
-    return True
-
-
-def _clear_dead_partials(out: Path) -> None:
-    """Remove the hidden folders that earlier writes of ``out`` on this host left when they were killed
-    outright (SIGKILL, the OOM killer, a power cut: no ``finally`` ran). Each is named after its writer's host
-    and pid; one whose process is gone is removed, and any other (a live writer's, another host's, a name of
-    another form) is left alone."""
-    host = re.escape(socket.gethostname().replace(".", "_"))
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.partial-{host}-(\d+)-.+")
-    for stale in out.parent.glob(f".{glob.escape(out.name)}.partial-*"):
-        if (m := pattern.fullmatch(stale.name)) and stale.is_dir() and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def staged_folder(out: Path, what: str) -> Iterator[Path]:
     """A hidden folder beside ``out`` to write into, renamed to ``out`` (a missing or empty folder) when the
     block succeeds and removed when it fails: a failed or interrupted write leaves no half folder, and a
     folder that someone filled meanwhile is not touched (the rename is refused). What a writer killed
-    outright left behind is cleared first (:func:`_clear_dead_partials`)."""
+    outright left behind is cleared first (:mod:`hybridnorm.leftovers`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    _clear_dead_partials(out)
-    host = socket.gethostname().replace(".", "_")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{host}-{os.getpid()}-", dir=out.parent))
+    leftovers.clear_dead(out.parent, out.name, "partial")
+    tmp = Path(tempfile.mkdtemp(prefix=leftovers.temp_prefix(out.name, "partial"), dir=out.parent))
     try:
         yield tmp
         mask = os.umask(0)
