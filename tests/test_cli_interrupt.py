@@ -8,12 +8,14 @@ inside the staged write until the test has sent its signal, so the signal provab
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,9 +50,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_hf_and_run(tmp_path_factory.mktemp("interrupt"))
 
 
-def _interrupted_while_held(tmp_path: Path, target: str, argv: list[str], sig: int) -> str:
-    """Run the command with ``target`` held, send ``sig`` while it is held, let it go on; returns the
-    output after checking exit 130 and no traceback."""
+@contextlib.contextmanager
+def _held(tmp_path: Path, target: str, argv: list[str]) -> Iterator[subprocess.Popen]:
+    """The command running with ``target`` held (it has reached it when this yields); killed on leaving if
+    still running. Its output goes to ``tmp_path / "cmd.log"``; writing ``marker.go`` lets it go on."""
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(WRAPPER, encoding="utf-8")
     marker, log = tmp_path / "marker", tmp_path / "cmd.log"
@@ -64,15 +67,22 @@ def _interrupted_while_held(tmp_path: Path, target: str, argv: list[str], sig: i
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "the command never reached the held function"
             time.sleep(0.02)
-        proc.send_signal(sig)
-        time.sleep(0.2)  # the handler runs now; the default SIGTERM would end the process right here
-        Path(f"{marker}.go").write_text("", encoding="utf-8")
-        rc = proc.wait(timeout=120)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    output = log.read_text(errors="replace")
+
+
+def _interrupted_while_held(tmp_path: Path, target: str, argv: list[str], sig: int) -> str:
+    """Run the command with ``target`` held, send ``sig`` while it is held, let it go on; returns the
+    output after checking exit 130 and no traceback."""
+    with _held(tmp_path, target, argv) as proc:
+        proc.send_signal(sig)
+        time.sleep(0.2)  # the handler runs now; the default SIGTERM would end the process right here
+        (tmp_path / "marker.go").write_text("", encoding="utf-8")
+        rc = proc.wait(timeout=120)
+    output = (tmp_path / "cmd.log").read_text(errors="replace")
     assert rc == 130, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
     return output
@@ -133,20 +143,8 @@ def test_a_writer_killed_outright_leaves_a_folder_the_next_write_clears(folders,
     parent = tmp_path / "outputs"
     parent.mkdir()
     out = parent / "out"
-    wrapper = tmp_path / "wrapper.py"
-    wrapper.write_text(WRAPPER, encoding="utf-8")
-    marker, log = tmp_path / "marker", tmp_path / "cmd.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, str(wrapper), str(marker), CASES["export"][0],
-                                 *CASES["export"][1](hf, run, out)], stdout=f, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not Path(f"{marker}.held").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-            time.sleep(0.02)
-    finally:
-        proc.kill()
-        proc.wait()
+    with _held(tmp_path, CASES["export"][0], CASES["export"][1](hf, run, out)):
+        pass  # held mid-write, then killed outright on leaving
     (killed,) = parent.iterdir()  # the killed writer's half folder, weights already in it
     assert killed.name.startswith(".out.partial-") and (killed / "config.json").exists()
     host = socket.gethostname().replace(".", "_")

@@ -96,7 +96,7 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             module.reset_parameters()
             # the tables are computed, never loaded: they must hold numbers even where the embedding is still
             # on the meta device after loading (a device_map that offloads it), or accelerate cannot place them
-            module.reset_rope(None if module.embed.weight.device.type != "meta" else torch.device("cpu"))
+            module.reset_rope(torch.device("cpu") if module.embed.weight.is_meta else None)
         elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
                 and all(module is not m for m in self.model.modules()):
             # one transformers made outside the model: resize_token_embeddings(mean_resizing=False)'s new

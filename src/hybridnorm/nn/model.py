@@ -141,7 +141,7 @@ class TransformerLM(nn.Module):
         w = self.lm_head.weight if self.lm_head is not None else self.embed.weight
         if w.is_meta and not x.is_meta:
             name = "lm_head" if self.lm_head is not None else "embed"
-            where = name if self.lm_head is not None else "embed (the tied head reads its weight)"
+            where = name if name == "lm_head" else f"{name} (the tied head reads its weight)"
             raise RuntimeError(f"the LM head's weight, {where}, is on the meta device: offloaded (an accelerate "
                                "device_map with 'cpu' or 'disk', or cpu_offload), it is loaded only inside its "
                                f"module's own forward; keep {name} on an execution device, e.g. "

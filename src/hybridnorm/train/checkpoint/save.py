@@ -62,7 +62,13 @@ __all__ = ["CheckpointSaveError", "PendingSave", "latest_checkpoint", "save_chec
 
 
 class CheckpointSaveError(ConfigError):
-    """Writing a checkpoint failed (disk full, I/O error, permissions); earlier checkpoints are untouched."""
+    """Writing a checkpoint failed (disk full, I/O error, permissions); earlier checkpoints are untouched.
+    ``write_reason`` is the failure alone, for a caller that wrote the checkpoint somewhere of its own and
+    names that instead (``errors.write_failure``)."""
+
+    def __init__(self, message: str, write_reason: str) -> None:
+        super().__init__(message)
+        self.write_reason = write_reason
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer, model: nn.Module,
@@ -106,11 +112,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _reason(e: BaseException) -> str:
-    """'No space left on device', not a wrapped Rust error: safetensors reports I/O errors as its own type."""
-    return write_failure(e) or str(e)
 
 
 def _clear_leftovers(root: Path) -> None:
@@ -172,12 +173,13 @@ class _Save:
 
     def error(self, e: BaseException | None) -> CheckpointSaveError:
         shutil.rmtree(self.tmp, ignore_errors=True)
-        reason = _reason(e) if e is not None else "another rank failed to write (its error says why)"
-        why = f"{reason} (writing {self.where})" if e is not None else reason
-        err = CheckpointSaveError(f"saving checkpoint {self.final} failed: {why}; its temporary folder was removed "
-                                  f"and the earlier checkpoints in {self.root} are kept")
-        err.write_reason = reason  # what a caller that wrote it somewhere of its own reports (errors.write_failure)
-        return err
+        if e is None:
+            reason = why = "another rank failed to write (its error says why)"
+        else:  # 'No space left on device', not safetensors' wrapped Rust error
+            reason = write_failure(e) or str(e)
+            why = f"{reason} (writing {self.where})"
+        return CheckpointSaveError(f"saving checkpoint {self.final} failed: {why}; its temporary folder was removed "
+                                   f"and the earlier checkpoints in {self.root} are kept", reason)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
