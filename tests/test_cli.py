@@ -159,6 +159,16 @@ def test_bad_input_is_one_error_line(case, work, run, tmp_path, capsys):
     _check_one_error_line(capsys.readouterr().err, needles)
 
 
+
+def test_a_torchrun_restart_of_a_command_without_resume_says_to_add_it(work, run, tmp_path, capsys, monkeypatch):
+    """torchrun --max-restarts reruns the same command: without --resume the restart finds the first attempt's
+    checkpoints, and the error line says how to make restarts continue instead."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    capsys.readouterr()
+    assert cli.main(_train_args(work, run, "--max-steps", "6")) == 2
+    _check_one_error_line(capsys.readouterr().err, ["already has checkpoints", "torchrun restarted this group",
+                                                    "--max-restarts", "--resume"])
+
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

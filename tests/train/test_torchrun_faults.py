@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from torchrun_helpers import alive, hybridnorm, run, start, torchrun, wait_for, workers
+from torchrun_helpers import alive, hybridnorm, rank_of, run, start, torchrun, wait_for, workers
 from train_helpers import TORCHRUN, kill_tree, read_metrics
 
 from hybridnorm.train.checkpoint import check_checkpoint, latest_checkpoint
@@ -83,6 +83,38 @@ def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(e
     a, b = _weights(out), _weights(ref)
     assert all(torch.equal(a[k], b[k]) for k in b)
 
+
+
+@pytest.mark.parametrize("killed", [0, 1])  # rank 0 also holds the run folder's lock and writes the logs
+def test_torchrun_max_restarts_brings_a_killed_rank_back_and_the_run_ends_as_if_never_stopped(killed, kjv_cache,
+                                                                                               tmp_path):
+    """torchrun's own fault tolerance (``--max-restarts``): a rank killed mid-run makes the agent restart the
+    whole group with the same command, whose ``--resume`` continues from the newest complete checkpoint.
+    The restarted group must meet (it failed to, on a store still holding the dead group's addresses) and
+    end where a run never stopped ends, bit for bit."""
+    out, ref, log = tmp_path / "R", tmp_path / "ref", tmp_path / "log"
+    args = [*TINY, "--max-steps", "60", "--ckpt_interval=20"]
+    restarting = [*TORCHRUN, "--nproc_per_node", "2", "--max-restarts", "1", "-m", "hybridnorm.cli", *args,
+                  "--out", str(out), "--resume"]
+    proc = start(restarting, kjv_cache, log)
+    wait_for(log, "step 30 ", proc)
+    first = workers(proc.pid)
+    os.kill(next(p for p in first if rank_of(p) == killed), signal.SIGKILL)
+    _end(proc, 180)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert not any(alive(p) for p in first)
+    assert f"resumed from {out / 'checkpoints'}/step_0000" in text, text[-3000:]
+    assert "final: step 60," in text
+
+    whole = run(torchrun(*args, "--out", str(ref)), kjv_cache)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    losses = {r["step"]: r["loss"] for r in read_metrics(ref)}
+    got = read_metrics(out)
+    assert [r["step"] for r in got] == list(range(5, 61, 5))  # the dead attempt's steps past its checkpoint dropped
+    assert all(r["loss"] == losses[r["step"]] for r in got)
+    a, b = _weights(out), _weights(ref)
+    assert all(torch.equal(a[k], b[k]) for k in b)
 
 def _rank_0_saw_its_peer_go(log) -> None:
     """rank 0 ends with an error line saying its peer went away, or, when torchrun (seeing rank 1 die)

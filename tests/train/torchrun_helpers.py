@@ -53,6 +53,12 @@ def workers(launcher_pid: int) -> list[int]:
     return sorted(kids)
 
 
+def rank_of(pid: int) -> int:
+    """The global rank torchrun gave worker ``pid`` (its RANK variable)."""
+    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    return int(env["RANK"])
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0]

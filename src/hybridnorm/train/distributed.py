@@ -83,9 +83,24 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
     if not dist.is_initialized():
         # On GPU, nccl carries the CUDA tensors (gradients, FSDP's all-gathers) and gloo the small CPU ones the
         # loop reduces (stop flags, eval sums, checkpoint save status): nccl alone refuses CPU tensors.
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                **_attempt_store(timeout))
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), joined=True)
+
+
+def _attempt_store(timeout: timedelta) -> dict:
+    """``init_process_group``'s store arguments for a worker group torchrun restarted (``--max-restarts``), or
+    none (its ``env://`` default). torchrun's agent keeps one store for every attempt, and the process group
+    keys its peers' addresses by name only, so a restarted group read the dead group's addresses and failed
+    to connect ("Gloo connectFullMesh failed ... Connection refused", on every rendezvous backend, torch
+    2.13; pytorch/pytorch#167288 for nccl). Keying each attempt apart lets the new group meet."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"hybridnorm/attempt_{attempt}", agent),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def current_dist() -> Dist:

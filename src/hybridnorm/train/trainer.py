@@ -125,8 +125,11 @@ def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.dev
 def _check_run_dir(run_dir: Path, resume: bool, d: Dist) -> ResumePoint:
     if not resume:
         if list_checkpoints(run_dir / "checkpoints"):
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            why = (f" (torchrun restarted this group, restart {restart}: with --max-restarts, give the command "
+                   f"--resume so that a restart continues from the newest checkpoint)" if restart != "0" else "")
             raise ConfigError(f"run folder {run_dir} already has checkpoints: pass --resume to continue it "
-                              f"or choose another --out")
+                              f"or choose another --out{why}")
         return ResumePoint(None)
     found = checkpoint_for_resume(run_dir / "checkpoints", set_aside_bad=d.is_main)  # rank 0 moves corrupt ones
     barrier(d)
