@@ -89,12 +89,13 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), joined=True)
 
 
-def _attempt_store(timeout: timedelta) -> dict:
-    """``init_process_group``'s store arguments for a worker group torchrun restarted (``--max-restarts``), or
-    none (its ``env://`` default). torchrun's agent keeps one store for every attempt, and the process group
-    keys its peers' addresses by name only, so a restarted group read the dead group's addresses and failed
-    to connect ("Gloo connectFullMesh failed ... Connection refused", on every rendezvous backend, torch
-    2.13; pytorch/pytorch#167288 for nccl). Keying each attempt apart lets the new group meet."""
+def _attempt_store(timeout: timedelta) -> dict[str, object]:
+    """``init_process_group``'s store arguments under torchrun: its agent's store, with keys prefixed by the
+    attempt (``TORCHELASTIC_RESTART_COUNT``, counted by ``--max-restarts``); none, so ``env://``, elsewhere.
+    The agent keeps one store for every attempt and the process group keys its peers' addresses by name
+    only, so a restarted group read the dead group's addresses and failed to connect ("Gloo connectFullMesh
+    failed ... Connection refused", on every rendezvous backend, torch 2.13; pytorch/pytorch#167288 for
+    nccl). Keying each attempt apart lets the new group meet."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
