@@ -138,6 +138,20 @@ BAD_INPUTS = {
     "no run folder": (lambda w, r, t: ["generate", str(t / "nothing")], ["no run folder"]),
     "negative temperature": (lambda w, r, t: ["generate", str(r), "--temperature=-1"], ["--temperature"]),
     "zero eval batches": (lambda w, r, t: ["eval", str(r), "--batches", "0"], ["--batches"]),
+    # an empty value ("$VAR" unset) used to mean "not given" (the default placement, size, init or baseline
+    # went on silently) or, for a path, the current folder (a token cache written into it)
+    "empty --placement": (lambda w, r, t: _train_args(w, t / "o", "--placement", "", "--max-steps", "2"),
+                          ["--placement is empty"]),
+    # (each case stays a short run should the refusal ever go)
+    "empty --size": (lambda w, r, t: ["train", "--size", "", *_train_args(w, t / "o")[3:], "--max-steps", "2"],
+                     ["--size is empty"]),
+    "empty compare --init": (lambda w, r, t: ["compare", "--placements", "pre", "--init", "", "--size", "tiny",
+                                              "--max-steps", "2", "--out", str(t / "o")], ["--init is empty"]),
+    "empty checkpoint path": (lambda w, r, t: ["export", "", "--to", "hf", str(t / "x")], ["checkpoint is empty"]),
+    "empty data.cache_dir": (lambda w, r, t: _train_args(w, t / "o", "--data.cache_dir=", "--max-steps", "2"),
+                             ["data.cache_dir", "empty"]),
+    "empty data.tokenizer": (lambda w, r, t: _train_args(w, t / "o", "--data.tokenizer=", "--max-steps", "2"),
+                             ["data.tokenizer=''", "bpe", "bytes"]),
 }
 
 

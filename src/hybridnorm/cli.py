@@ -24,7 +24,7 @@ def _config(args: argparse.Namespace, extra: list[str]):  # -> TrainConfig (impo
     """The train config of a command line: YAML file (optional), then --size, then --key=value, then flags."""
     from hybridnorm.train.config import TrainConfig
 
-    flags = [f"--model.placement={args.placement}"] if getattr(args, "placement", None) else []
+    flags = [f"--model.placement={args.placement}"] if getattr(args, "placement", None) is not None else []
     flags += [f"--max_steps={args.max_steps}"] if args.max_steps is not None else []
     flags += [f"--out_dir={args.out}"] if args.out is not None else []
     return TrainConfig.from_cli(args.config, [*extra, *flags], size=args.size)

@@ -34,5 +34,20 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are a ConfigError: one ``error:`` line and exit 2 like all bad input
     (argparse's own error() prints the usage block too, and exits from inside the parse)."""
 
+    may_be_empty: typing.ClassVar[frozenset[str]] = frozenset({"prompt"})  # generate from no prompt at all
+
     def error(self, message: str) -> typing.NoReturn:
         raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args: typing.Any = None, namespace: typing.Any = None) -> typing.Any:
+        """argparse's, then an empty value is refused (``--placement "$P"`` with P unset, a path ``""``):
+        the commands used to read it as "not given" and go on with the default, or take ``""`` for the
+        current folder."""
+        parsed, extra = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if action.dest not in self.may_be_empty and "" in (value if isinstance(value, (list, tuple)) else [value]):
+                optional = action.option_strings and not action.required
+                self.error(f"{'/'.join(action.option_strings) or action.dest} is empty (an unset shell variable?); "
+                           f"give it a value{' or leave it out' if optional else ''}")
+        return parsed, extra

@@ -130,7 +130,7 @@ def run(out: Path, sizes: Sequence[str], placements: Sequence[str], inits: Seque
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = OneLineArgumentParser(prog="hybridnorm gradprofile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="JSON file (resumed when it exists)")
+    ap.add_argument("--out", required=True, help="JSON file (resumed when it exists)")  # str: "" is refused
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
     ap.add_argument("--inits", default=",".join(INITS))
@@ -143,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             seeds = [int(s) for s in a.seeds.split(",")]
         except ValueError:
             ap.error(f"--seeds: comma-separated integers, got {a.seeds!r}")
-        run(a.out, a.sizes.split(","), a.placements.split(","), a.inits.split(","), seeds, a.batch_size, a.seq_len)
+        run(Path(a.out), a.sizes.split(","), a.placements.split(","), a.inits.split(","), seeds, a.batch_size,
+            a.seq_len)
     except (ConfigError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

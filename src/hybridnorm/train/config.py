@@ -38,7 +38,10 @@ class DataConfig(Config):
     def check(self) -> None:
         if not self.source.strip():
             raise ConfigError("data.source='' must name a corpus: kjv, kjv-bigval, a local file/folder or hf:<name>")
-        if self.tokenizer not in TOKENIZERS and not Path(self.tokenizer).exists():
+        if self.cache_dir is not None and not self.cache_dir.strip():  # "" would be the current folder
+            raise ConfigError("data.cache_dir='' is empty: leave it out ($HYBRIDNORM_CACHE, else "
+                              "~/.cache/hybridnorm) or name a folder")
+        if self.tokenizer not in TOKENIZERS and not (self.tokenizer.strip() and Path(self.tokenizer).exists()):
             raise ConfigError(f"data.tokenizer={self.tokenizer!r} is not one of "
                               f"{', '.join(map(repr, TOKENIZERS))} nor an existing tokenizer.json")
 
@@ -129,12 +132,12 @@ class TrainConfig(Config):
         replace the model's, except vocab_size, which always follows the tokenizer), then the overrides."""
         overrides = list(overrides or [])
         data = read_file(path) if path else {}
-        if size and path:  # the preset replaces the file's model section: its values are still checked
+        if size is not None and path:  # the preset replaces the file's model section: its values are still checked
             try:
                 check_types(cls, data, "")
             except ConfigError as e:
                 raise ConfigError(f"config file {path}: {e}") from None
-        if size:
+        if size is not None:  # an empty --size is refused by the preset lookup, not taken as none
             preset = ModelConfig.preset(size)
             preset.pop("vocab_size")
             model = data.get("model") if isinstance(data.get("model"), dict) else _default_model().to_dict()
