@@ -150,6 +150,8 @@ BAD_INPUTS = {
     "empty checkpoint path": (lambda w, r, t: ["export", "", "--to", "hf", str(t / "x")], ["checkpoint is empty"]),
     "empty data.cache_dir": (lambda w, r, t: _train_args(w, t / "o", "--data.cache_dir=", "--max-steps", "2"),
                              ["data.cache_dir", "empty"]),
+    "model.vocab_size override": (lambda w, r, t: _train_args(w, t / "o", "--model.vocab_size=300", "--max-steps", "2"),
+                                  ["--model.vocab_size", "tokenizer", "--data.vocab_size", "pad_vocab_multiple"]),
     "empty data.tokenizer": (lambda w, r, t: _train_args(w, t / "o", "--data.tokenizer=", "--max-steps", "2"),
                              ["data.tokenizer=''", "bpe", "bytes"]),
 }
