@@ -24,11 +24,6 @@ def _config(args: argparse.Namespace, extra: list[str]):  # -> TrainConfig (impo
     """The train config of a command line: YAML file (optional), then --size, then --key=value, then flags."""
     from hybridnorm.train.config import TrainConfig
 
-    if any(o.lstrip("-").partition("=")[0].replace("-", "_") == "model.vocab_size" for o in extra):
-        # the trainer sets it to the tokenizer's size: a value given here was replaced without a word
-        raise ConfigError("--model.vocab_size is the tokenizer's size, which the trainer sets; choose the tokenizer "
-                          "instead (--data.vocab_size=N for bpe, --data.tokenizer=bytes or a tokenizer.json path); "
-                          "--model.pad_vocab_multiple=N rounds the embedding rows up")
     flags = [f"--model.placement={args.placement}"] if getattr(args, "placement", None) is not None else []
     flags += [f"--max_steps={args.max_steps}"] if args.max_steps is not None else []
     flags += [f"--out_dir={args.out}"] if args.out is not None else []

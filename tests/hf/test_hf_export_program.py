@@ -34,7 +34,7 @@ IDS = [p if moe is None else f"{p}-moe" for p, moe in CASES]
 
 def exportable(placement: str, moe: MoEConfig | None):
     """A tiny randomized HF model whose generation config asks for the static cache the recipes export."""
-    hf, _ = pair(placement, moe=moe) if moe is not None else pair(placement)
+    hf, _ = pair(placement, moe=moe)
     hf.generation_config = GenerationConfig(use_cache=True, cache_implementation="static", max_length=CACHE,
                                             cache_config={"batch_size": 1, "max_cache_len": CACHE}, pad_token_id=0)
     return hf

@@ -49,6 +49,19 @@ def _weights(run_dir) -> dict[str, torch.Tensor]:
     return load_run(run_dir).model.state_dict()
 
 
+def _steps_matching_a_straight_run(out, args: list[str], kjv_cache, ref) -> list[int]:
+    """Trains ``args`` straight through into ``ref`` (torchrun, 2 ranks); asserts that every step ``out``
+    logged has that run's loss and that ``out`` ends at its weights, bit for bit; returns ``out``'s steps."""
+    whole = run(torchrun(*args, "--out", str(ref)), kjv_cache)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    losses = {r["step"]: r["loss"] for r in read_metrics(ref)}
+    got = read_metrics(out)
+    assert all(r["loss"] == losses[r["step"]] for r in got)
+    a, b = _weights(out), _weights(ref)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    return [r["step"] for r in got]
+
+
 @pytest.mark.parametrize("extra", [pytest.param((), id="sync"),  # async: a background save is in flight too
                                    pytest.param(("--ckpt_interval=10", "--async_checkpoint=true"), id="async")])
 def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(extra, kjv_cache, tmp_path):
@@ -74,14 +87,8 @@ def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(e
     assert not list((out / "checkpoints").glob(".tmp_*"))  # every save published or never begun
     resumed = run(torchrun(*TINY, *extra, "--max-steps", "60", "--out", str(out), "--resume"), kjv_cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    whole = run(torchrun(*TINY, "--max-steps", "60", "--out", str(ref)), kjv_cache)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    losses = {r["step"]: r["loss"] for r in read_metrics(ref)}
-    got = read_metrics(out)
-    assert [r["step"] for r in got] == sorted({*range(5, stopped + 1, 5), *range(5, 61, 5)})
-    assert all(r["loss"] == losses[r["step"]] for r in got)  # bitwise, before and after the stop
-    a, b = _weights(out), _weights(ref)
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    steps = _steps_matching_a_straight_run(out, [*TINY, "--max-steps", "60"], kjv_cache, ref)  # before and after
+    assert steps == sorted({*range(5, stopped + 1, 5), *range(5, 61, 5)})
 
 
 
@@ -107,14 +114,8 @@ def test_torchrun_max_restarts_brings_a_killed_rank_back_and_the_run_ends_as_if_
     assert f"resumed from {out / 'checkpoints'}/step_0000" in text, text[-3000:]
     assert "final: step 60," in text
 
-    whole = run(torchrun(*args, "--out", str(ref)), kjv_cache)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    losses = {r["step"]: r["loss"] for r in read_metrics(ref)}
-    got = read_metrics(out)
-    assert [r["step"] for r in got] == list(range(5, 61, 5))  # the dead attempt's steps past its checkpoint dropped
-    assert all(r["loss"] == losses[r["step"]] for r in got)
-    a, b = _weights(out), _weights(ref)
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    steps = _steps_matching_a_straight_run(out, args, kjv_cache, ref)
+    assert steps == list(range(5, 61, 5))  # the dead attempt's steps past its checkpoint dropped
 
 def _rank_0_saw_its_peer_go(log) -> None:
     """rank 0 ends with an error line saying its peer went away, or, when torchrun (seeing rank 1 die)

@@ -131,6 +131,11 @@ class TrainConfig(Config):
         """The config of a command line: the YAML file (optional), then a model size preset (its fields
         replace the model's, except vocab_size, which always follows the tokenizer), then the overrides."""
         overrides = list(overrides or [])
+        user_keys = {o.lstrip("-").partition("=")[0].replace("-", "_") for o in overrides}
+        if "model.vocab_size" in user_keys:  # the trainer sets it to the tokenizer's: it was replaced without a word
+            raise ConfigError("--model.vocab_size is the tokenizer's size, which the trainer sets; choose the "
+                              "tokenizer instead (--data.vocab_size=N for bpe, --data.tokenizer=bytes or a "
+                              "tokenizer.json path); --model.pad_vocab_multiple=N rounds the embedding rows up")
         data = read_file(path) if path else {}
         if size is not None and path:  # the preset replaces the file's model section: its values are still checked
             try:
@@ -142,7 +147,6 @@ class TrainConfig(Config):
             preset.pop("vocab_size")
             model = data.get("model") if isinstance(data.get("model"), dict) else _default_model().to_dict()
             data["model"] = {**model, "moe": None, **preset}
-            user_keys = {o.lstrip("-").partition("=")[0].replace("-", "_") for o in overrides}
             if "seq_len" not in user_keys and "seq_len" not in data:
                 data["seq_len"] = min(cls.seq_len, preset["max_seq_len"])  # the default may exceed a small preset's
         return cls.from_data(data, overrides, source=path)
