@@ -14,11 +14,14 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-from transformers import PreTrainedModel, set_seed
+from transformers import LlamaConfig, OlmoeConfig, PreTrainedModel, set_seed
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.trainer_utils import unwrap_peft_model
 
 import hybridnorm as hn
 from hybridnorm import ConfigError
 from hybridnorm.hf import HybridNormConfig, HybridNormForCausalLM, HybridNormModel
+from hybridnorm.hf.configuration import MOE_ONLY
 
 V, D = 99, 32
 
@@ -78,7 +81,9 @@ def test_resize_without_mean_resizing_draws_new_rows_as_the_scheme_does(tie: boo
     new_in = model.get_input_embeddings().weight.detach()
     assert model.config.vocab_size == V + 400 and torch.equal(new_in[:V], old_in)
     assert new_in[V:].std().item() == pytest.approx(trunc_std(0.02), rel=0.1)  # torch's default draw: 1.0
-    if not tie:
+    if tie:  # still tied: one weight, no head module of its own
+        assert model.model.lm_head is None and model.get_output_embeddings().weight is model.model.embed.weight
+    else:
         head = model.get_output_embeddings().weight.detach()
         assert head.shape[0] == V + 400 and head[V:].std().item() == pytest.approx(trunc_std(0.02), rel=0.1)
     with torch.no_grad():
@@ -187,7 +192,7 @@ def test_moe_from_standard_fields_equals_moe_from_a_model_config(tmp_path: Path)
     back = HybridNormConfig.from_pretrained(tmp_path)
     assert back.model_config().moe == want and (back.num_experts, back.num_experts_per_tok) == (4, 2)
     dense = config()
-    assert dense.num_experts is None and dense.model_config().moe is None
+    assert not hasattr(dense, "num_experts") and dense.model_config().moe is None
 
 
 @pytest.mark.parametrize(("kwargs", "names"), [
@@ -222,3 +227,55 @@ def test_loading_in_bf16_generates_for_every_norm_kind(tmp_path: Path, norm: str
     assert ((a.float() - b).abs().max() / b.abs().max()).item() < 0.08
     out = low.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert out.shape == (2, 13)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kw", [{}, {"tie_word_embeddings": False}, {"num_experts": 4, "num_experts_per_tok": 2},
+                                {"placement": "resi_dual"}], ids=["tied", "untied", "moe", "resi_dual"])
+def test_base_model_and_output_embeddings_give_the_logits_to_tools_that_apply_the_head(kw: dict) -> None:
+    """transformers' contract, which TRL's trainers rely on (their fused LM head): ``base_model`` is the
+    decoder without its head, called with the backbone's arguments (``get_decoder()`` too), and
+    ``get_output_embeddings()`` has the head's ``weight`` and ``bias``: applying them gives the LM's logits,
+    tied or not. The backbone of an LM and an ``AutoModel`` are their own base models, as Llama's are."""
+    torch.manual_seed(0)
+    model = HybridNormForCausalLM(config(**kw)).eval()
+    names = list(model.state_dict())
+    ids = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    logits = model(ids, attention_mask=mask).logits
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert isinstance(hidden, BaseModelOutputWithPast)
+    head = model.get_output_embeddings()
+    assert torch.equal(torch.nn.functional.linear(hidden.last_hidden_state, head.weight, head.bias), logits)
+    assert torch.equal(head(hidden.last_hidden_state), logits)
+    assert torch.equal(model.get_decoder()(ids, attention_mask=mask).last_hidden_state, hidden.last_hidden_state)
+    if model.model.lm_head is None:
+        assert head.weight is model.model.embed.weight and head.bias is None
+    backbone = HybridNormModel(model.config).eval()
+    backbone.load_state_dict(model.state_dict(), strict=False)  # the untied head's weight stays unused there
+    assert backbone.base_model is backbone and backbone.get_decoder() is backbone
+    assert torch.equal(backbone(ids, attention_mask=mask).last_hidden_state, hidden.last_hidden_state)
+    # nothing is held twice and no name changes; no tool takes the LM for a PEFT wrapper or a TP/PP plan
+    assert list(model.state_dict()) == names and all(not n.startswith(("tied_head", "decoder")) for n in names)
+    assert unwrap_peft_model(model) is model
+    assert (model.supports_tp_plan, model.supports_pp_plan) == (False, False)
+
+
+def test_moe_fields_are_attributes_of_an_moe_config_only_as_in_stock_configs(tmp_path: Path) -> None:
+    """Tools tell an MoE by its config's attributes: TRL's trainers add a router loss to any config that has
+    ``output_router_logits``, weighted by ``router_aux_loss_coef``. A dense config has none of the MoE
+    fields, as Llama's has none; an MoE config has them all, as OLMoE's has its own."""
+    stock_dense, stock_moe = LlamaConfig(), OlmoeConfig()
+    assert not any(hasattr(stock_dense, n) for n in MOE_ONLY)
+    assert all(hasattr(stock_moe, n) for n in ("num_experts", "output_router_logits", "router_aux_loss_coef"))
+    dense = config(output_router_logits=True)  # ignored on a dense model, as Llama does
+    assert not any(hasattr(dense, n) for n in MOE_ONLY)
+    dense.save_pretrained(tmp_path / "dense")
+    assert not any(hasattr(HybridNormConfig.from_pretrained(tmp_path / "dense"), n) for n in MOE_ONLY)
+    moe = config(num_experts=4, num_experts_per_tok=2)
+    assert (moe.output_router_logits, moe.router_aux_loss_coef) == (False, moe.model_config().moe.lb_loss_weight)
+    moe.output_router_logits = True
+    moe.save_pretrained(tmp_path / "moe")
+    back = HybridNormConfig.from_pretrained(tmp_path / "moe")
+    assert all(hasattr(back, n) for n in MOE_ONLY) and back.output_router_logits is True

@@ -39,8 +39,11 @@ CASES = {
 }
 
 
-def pair(tmp: Path, case: str, impl: str) -> tuple[HybridNormForCausalLM, torch.nn.Module]:
-    placement, moe = CASES[case]
+def pair(tmp: Path, case: str, impl: str = "sdpa",
+         moe: MoEConfig | None = None) -> tuple[HybridNormForCausalLM, torch.nn.Module]:
+    """Ours and the stock class of ``case`` with the same weights; ``moe`` in place of the case's own."""
+    placement, case_moe = CASES[case]
+    moe = moe or case_moe
     torch.manual_seed(0)
     lm = TransformerLM(tiny(placement, moe)).eval()
     random_gains(lm)

@@ -1,7 +1,8 @@
 """``HybridNormForCausalLM`` under transformers' ``Trainer`` and training features, through their own entry
-points: gradient accumulation gives one big batch's loss and gradients (``num_items_in_batch``), gradient
-checkpointing gives the plain step's, ``resize_token_embeddings`` survives save/load, and Trainer's own
-checkpoints resume to the straight run's weights."""
+points: gradient accumulation gives one big batch's loss and gradients (``num_items_in_batch``), and so do
+padding-free batches (``DataCollatorWithFlattening``); gradient checkpointing gives the plain step's,
+``resize_token_embeddings`` survives save/load, and Trainer's own checkpoints resume to the straight run's
+weights."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("accelerate", reason="Trainer needs accelerate (in the dev extra)")
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+import transformers
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
 import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
 from hybridnorm import ModelConfig
@@ -50,14 +52,15 @@ def collate(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def one_trainer_step(tmp: Path, model: torch.nn.Module, batch: int, accum: int, **args: object) -> tuple[float, dict]:
+def one_trainer_step(tmp: Path, model: torch.nn.Module, batch: int, accum: int, collator: object = collate,
+                     **args: object) -> tuple[float, dict]:
     """One optimizer step of plain SGD (lr 1, no clipping, no decay): the update is minus the gradient."""
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     args = TrainingArguments(output_dir=str(tmp), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
                              max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
                              weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no",
                              use_cpu=True, dataloader_drop_last=False, seed=0, data_seed=0, **args)
-    trainer = Trainer(model=model, args=args, train_dataset=ragged_samples(), data_collator=collate)
+    trainer = Trainer(model=model, args=args, train_dataset=ragged_samples(), data_collator=collator)
     trainer.train_dataset_sampler = None
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
     trainer.train()
@@ -86,8 +89,6 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, placement: s
     Trainer on a stock LlamaForCausalLM is the oracle for what it does to any model's gradients under
     accumulation (transformers 5.5.0 with accelerate 1.15 scales them by 1/4 for every model): ours must
     match; on the pinned release that ratio is exactly 1."""
-    import transformers
-
     big_loss, big = one_trainer_step(tmp_path / "a", make(placement), batch=8, accum=1)
     acc_loss, acc = one_trainer_step(tmp_path / "b", make(placement), batch=2, accum=4)
     # the reference: the 8 samples' summed token loss in one plain forward, over the number of items Trainer
@@ -110,14 +111,33 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path: Path, placement: s
     assert any(g.abs().max() > 0 for g in big.values())
 
 
+@pytest.mark.parametrize("placement", ["hybridnorm_star", "resi_dual"])
+def test_padding_free_batches_of_transformers_flattening_collator_equal_padded_ones(tmp_path: Path,
+                                                                                    placement: str) -> None:
+    """``DataCollatorWithFlattening`` packs the samples into one row with no padding and no mask, positions
+    restarting per sample: each sample must see only itself (transformers' mask builder finds the documents
+    from the positions; Trainer runs without a cache), so the logged loss and every gradient equal the padded
+    batch's."""
+    padded_loss, padded = one_trainer_step(tmp_path / "a", make(placement), batch=8, accum=1)
+    flat_loss, flat = one_trainer_step(tmp_path / "b", make(placement), batch=8, accum=1,
+                                       collator=DataCollatorWithFlattening())
+    # the ratio of the token counts Trainer divides by, from the stock class under the same two collators: 1
+    # on the pinned release; transformers 5.5.0 counts the padded batch's unshifted labels (101, not 93)
+    ratio = (one_trainer_step(tmp_path / "c", stock_llama(), 8, 1, collator=DataCollatorWithFlattening())[0]
+             / one_trainer_step(tmp_path / "d", stock_llama(), 8, 1)[0])
+    if transformers.__version__ == pinned_transformers():
+        assert ratio == pytest.approx(1.0, rel=1e-6)
+    assert flat_loss == pytest.approx(ratio * padded_loss, rel=1e-5)
+    for k in padded:
+        assert torch.allclose(flat[k], ratio * padded[k], rtol=1e-4, atol=1e-6), k
+
+
 @pytest.mark.parametrize("accum", [1, 4])
 def test_label_smoothing_scores_the_next_token_as_for_a_stock_model(tmp_path: Path, accum: int) -> None:
     """With ``label_smoothing_factor``, Trainer computes the loss from the logits itself and shifts the labels
     only for a class named in transformers' table of causal LMs; ``import hybridnorm.hf`` names ours there.
     Oracle: the same Trainer step on stock ``LlamaForCausalLM`` with the same weights (a Pre-Norm model
     exports to it exactly). Before, ours was scored against its own input tokens: 4.34 where Llama gives 4.86."""
-    import transformers
-
     from hybridnorm.hf.export import export_model
 
     ours = make("pre")

@@ -33,6 +33,7 @@ _STANDARD_FIELDS = {"hidden_size": "d_model", "intermediate_size": "ffn_hidden_s
 _MOE_FIELDS = {"num_experts": "num_experts", "num_experts_per_tok": "top_k",
                "moe_intermediate_size": "expert_hidden_size", "norm_topk_prob": "normalize_topk",
                "router_aux_loss_coef": "lb_loss_weight", "router_z_loss_coef": "z_loss_weight"}
+MOE_ONLY = (*_MOE_FIELDS, "output_router_logits")  # attributes of an MoE config only
 _HF_NAME = {name: hf_name for hf_name, name in _STANDARD_FIELDS.items() if hf_name != name} | {
     f"moe.{name}": hf_name for hf_name, name in _MOE_FIELDS.items()} | {"tie_embeddings": "tie_word_embeddings"}
 
@@ -59,14 +60,10 @@ class HybridNormConfig(PretrainedConfig):
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
     initializer_range: float | None = None
-    num_experts: int | None = None
-    num_experts_per_tok: int | None = None
-    moe_intermediate_size: int | None = None
-    norm_topk_prob: bool | None = None
-    router_aux_loss_coef: float | None = None
-    router_z_loss_coef: float | None = None
-    # as Mixtral's / OLMoE's: forward returns each layer's router logits and the load-balancing loss (MoE only)
-    output_router_logits: bool = False
+    # The MoE fields (_MOE_FIELDS, and output_router_logits: as Mixtral's / OLMoE's, forward returns each layer's
+    # router logits and the load-balancing loss) are no dataclass fields: they are attributes of an MoE config
+    # only, as OLMoE's config has them all and Llama's none. Tools tell an MoE by their presence: TRL's
+    # trainers add a router loss to any config that has output_router_logits, weighted by router_aux_loss_coef
     placement: str | None = None
     attention_dropout: float = 0.0
     use_cache: bool = True
@@ -78,6 +75,9 @@ class HybridNormConfig(PretrainedConfig):
     pad_token_id: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        for name in MOE_ONLY:  # given (a keyword, a config.json): read by _sync, which keeps them on an MoE
+            if name in kwargs:
+                setattr(self, name, kwargs.pop(name))
         if isinstance(self.hybridnorm, dict) and self.hybridnorm and self.tie_word_embeddings is not None \
                 and self.tie_word_embeddings != self.hybridnorm.get("tie_embeddings", ModelConfig.tie_embeddings):
             # config.json of exports before 2026-11 always said false (that class never let transformers tie):
@@ -129,7 +129,13 @@ class HybridNormConfig(PretrainedConfig):
         self.rms_norm_eps, self.rope_theta = mc.norm_eps, mc.rope_theta
         self.initializer_range = mc.init_std
         for hf_name, name in _MOE_FIELDS.items():
-            setattr(self, hf_name, getattr(mc.moe, name) if mc.moe is not None else None)
+            if mc.moe is not None:
+                setattr(self, hf_name, getattr(mc.moe, name))
+        if mc.moe is not None:
+            self.output_router_logits = bool(getattr(self, "output_router_logits", False))
+        else:  # a dense model has none of them (a dense config.json's output_router_logits: ignored, as Llama does)
+            for name in MOE_ONLY:
+                vars(self).pop(name, None)
         self.placement = mc.resolved_placement().name
         self.tie_word_embeddings = mc.tie_embeddings
 

@@ -164,7 +164,8 @@ class HybridNormPreTrainedModel(PreTrainedModel):
 
     def _router_flag(self, output_router_logits: bool | None) -> bool:
         """Whether to return router logits: the argument, else the config's flag; only an MoE has them."""
-        flag = self.config.output_router_logits if output_router_logits is None else output_router_logits
+        flag = getattr(self.config, "output_router_logits", False) if output_router_logits is None \
+            else output_router_logits  # the config has the flag only on an MoE
         return bool(flag) and self.model.is_moe
 
     def _router_losses(self, router_logits: tuple[Tensor, ...], attention_mask: Tensor | None) -> dict[str, Tensor]:
@@ -212,6 +213,12 @@ class HybridNormModel(HybridNormPreTrainedModel):
     the head reads. The untied head's weight, if any, stays in ``model.lm_head`` so that weight names are
     those of every export (a HybridNormForCausalLM folder loads here, and back, without renaming)."""
 
+    @property
+    def base_model(self) -> HybridNormModel:
+        # transformers' contract: a backbone is its own base model (LlamaModel's is itself); the inherited
+        # property would give the bare TransformerLM held as ``model``, which takes none of these arguments
+        return self
+
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache: Any = None, inputs_embeds: Tensor | None = None,
                 use_cache: bool | None = None, output_attentions: bool | None = None,
@@ -229,11 +236,26 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
     are added, scaled by this batch's share of the scored tokens so that accumulated micro-batches add up
     to one batch's."""
 
-    def get_output_embeddings(self) -> torch.nn.Linear | None:
-        return self.model.lm_head  # None when tied: TransformerLM reuses embed.weight itself
+    def __init__(self, config: HybridNormConfig) -> None:
+        super().__init__(config)
+        if self.model.lm_head is None:  # tied: TransformerLM reads embed.weight itself
+            self.tied_head = TiedHead(self)
 
-    def set_output_embeddings(self, value: torch.nn.Linear) -> None:
-        self.model.lm_head = value
+    @property
+    def base_model(self) -> HybridNormBackbone:
+        # transformers' contract: the decoder without its head, called with the backbone's arguments and
+        # returning its output (LlamaForCausalLM's is its LlamaModel). TRL's trainers run it and then apply
+        # the head themselves (their fused LM head); the inherited property would give the bare TransformerLM
+        return HybridNormBackbone(self)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.lm_head if self.model.lm_head is not None else self.tied_head
+
+    def set_output_embeddings(self, value: torch.nn.Module) -> None:
+        if isinstance(value, TiedHead) and value.owner is self:
+            return  # handed back unchanged (resize_token_embeddings does, after resizing the embedding)
+        self.model.lm_head = value  # a head of its own: no longer tied
+        self._modules.pop("tied_head", None)
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache: Any = None, inputs_embeds: Tensor | None = None,
@@ -268,6 +290,62 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
         else:
             result = CausalLMOutputWithPast(**fields)
         return result if _return_dict(self.config, return_dict) else result.to_tuple()
+
+
+class HybridNormBackbone(torch.nn.Module):
+    """``HybridNormForCausalLM.base_model`` and ``get_decoder()``: the causal LM without its head, called as
+    ``HybridNormModel`` is (its arguments, its ``BaseModelOutputWithPast``), so ``head(last_hidden_state)``
+    is the LM's logits. A view, made on each access: its one child is the LM's own TransformerLM, so no
+    weight is held twice and the LM's state dict is unchanged (the LM does not hold the view). The child is
+    called ``decoder``, never ``model``: transformers' ``unwrap_peft_model`` takes a base model with a
+    ``model`` attribute for a PEFT wrapper and would unwrap the LM to the bare TransformerLM."""
+
+    _tp_plan = None  # read by supports_tp_plan / supports_pp_plan: none declared, as on the LM
+    _pp_plan = None
+
+    def __init__(self, lm: HybridNormForCausalLM) -> None:
+        super().__init__()
+        self.decoder = lm.model
+        object.__setattr__(self, "owner", lm)  # a reference, not a child module
+
+    @property
+    def config(self) -> HybridNormConfig:
+        return self.owner.config
+
+    def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast | tuple:
+        # HybridNormModel's forward on the LM itself: it reads only what both classes have (config, _decode),
+        # and so follows the LM's flags (gradient checkpointing, training) and any module PEFT swapped in
+        return HybridNormModel.forward(self.owner, *args, **kwargs)
+
+    def get_decoder(self) -> HybridNormBackbone:
+        return self
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.owner.get_input_embeddings()
+
+
+class TiedHead(torch.nn.Module):
+    """``get_output_embeddings()`` of a tied model, where TransformerLM holds no head module and reads the
+    embedding's weight itself: the LM's child ``tied_head``, with no parameter or buffer of its own (the
+    state dict is unchanged). ``weight`` is the embedding's (V, d), read live, and ``bias`` None, as a tied
+    ``nn.Linear`` head's are in a stock model, for tools that apply the head themselves (TRL's fused LM head
+    reads both); called, it gives the LM's logits. A child, not a free view, because tools look the output
+    embeddings up among the model's modules (PEFT's ``target_modules="all-linear"`` does, to leave the head
+    out)."""
+
+    bias = None
+
+    def __init__(self, lm: HybridNormForCausalLM) -> None:
+        super().__init__()
+        object.__setattr__(self, "owner", lm)  # a reference, not a child module; read live, never stale
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.owner.model.embed.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        with _offloaded_weights_loaded(self.owner.model.embed):
+            return self.owner.model.head(x)  # (B, T, V)
 
 
 @contextlib.contextmanager
