@@ -247,6 +247,7 @@ def test_base_model_and_output_embeddings_give_the_logits_to_tools_that_apply_th
     hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False)
     assert isinstance(hidden, BaseModelOutputWithPast)
     head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Linear)  # transformers' test_model_get_set_embeddings: None or a Linear
     assert torch.equal(torch.nn.functional.linear(hidden.last_hidden_state, head.weight, head.bias), logits)
     assert torch.equal(head(hidden.last_hidden_state), logits)
     assert torch.equal(model.get_decoder()(ids, attention_mask=mask).last_hidden_state, hidden.last_hidden_state)

@@ -198,3 +198,25 @@ def test_an_adapter_folder_given_as_a_model_says_what_it_is_and_how_to_merge_it(
                  ["import", str(adapter), "--out", str(tmp_path / "run")]):
         assert_refused(argv, capsys, needles, tmp_path)
         assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
+
+
+@torch.no_grad()
+def test_lora_on_the_tied_head_acts_as_on_a_stock_tied_lm_head(tmp_path: Path) -> None:
+    """The tied head is the module ``tied_head`` (no weight of its own): LoRA on it adapts the logits as LoRA on
+    a stock tied ``lm_head`` does, and merging writes into the one shared weight, the embedding's, in both."""
+    from test_hf_stock_seams import pair
+
+    ours, theirs = pair(tmp_path, "llama")
+    assert theirs.lm_head.weight is theirs.model.embed_tokens.weight  # the stock class ties by sharing it
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    plain = ours(ids).logits
+    ours = get_peft_model(ours, LoraConfig(r=2, target_modules=["tied_head"], init_lora_weights=False))
+    theirs = get_peft_model(theirs, LoraConfig(r=2, target_modules=["lm_head"], init_lora_weights=False))
+    for x, y in zip(lora_layers(ours).values(), lora_layers(theirs).values(), strict=True):
+        y.lora_A["default"].weight.copy_(x.lora_A["default"].weight)
+        y.lora_B["default"].weight.copy_(x.lora_B["default"].weight)
+    adapted = ours(ids).logits
+    assert (adapted - plain).abs().max() > 1e-2  # the adapter acts
+    assert (adapted - theirs(ids).logits).abs().max() < 1e-5
+    merged_ours, merged_theirs = ours.merge_and_unload(), theirs.merge_and_unload()
+    assert (merged_ours(ids).logits - merged_theirs(ids).logits).abs().max() < 1e-5

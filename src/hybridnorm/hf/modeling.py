@@ -97,7 +97,8 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             # the tables are computed, never loaded: they must hold numbers even where the embedding is still
             # on the meta device after loading (a device_map that offloads it), or accelerate cannot place them
             module.reset_rope(torch.device("cpu") if module.embed.weight.is_meta else None)
-        elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
+        elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and not isinstance(module, TiedHead) \
+                and "model" in self._modules \
                 and all(module is not m for m in self.model.modules()):
             # one transformers made outside the model: resize_token_embeddings(mean_resizing=False)'s new
             # embedding or head, drawn as the scheme draws those (torch's own default would be N(0, 1))
@@ -215,8 +216,8 @@ class HybridNormModel(HybridNormPreTrainedModel):
 
     @property
     def base_model(self) -> HybridNormModel:
-        # transformers' contract: a backbone is its own base model (LlamaModel's is itself); the inherited
-        # property would give the bare TransformerLM held as ``model``, which takes none of these arguments
+        # transformers' contract: a backbone is its own base model (LlamaModel's is itself), not the bare
+        # TransformerLM held as ``model``, which the inherited property would give
         return self
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
@@ -243,9 +244,8 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
 
     @property
     def base_model(self) -> HybridNormBackbone:
-        # transformers' contract: the decoder without its head, called with the backbone's arguments and
-        # returning its output (LlamaForCausalLM's is its LlamaModel). TRL's trainers run it and then apply
-        # the head themselves (their fused LM head); the inherited property would give the bare TransformerLM
+        # transformers' contract: the decoder without its head, as a backbone (Llama's: its LlamaModel). TRL's
+        # trainers run it, then the head; the inherited property would give the bare TransformerLM
         return HybridNormBackbone(self)
 
     def get_output_embeddings(self) -> torch.nn.Module:
@@ -273,8 +273,7 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
             x = x[:, -logits_to_keep:] if logits_to_keep > 0 else x
         else:
             x = x[:, logits_to_keep]
-        with _offloaded_weights_loaded(self.model.embed if self.model.lm_head is None else None):
-            logits = self.model.head(x)  # (B, T', V)
+        logits = self.get_output_embeddings()(x)  # (B, T', V): the head module, tied or not (its hooks fire)
         router = self._router_losses(out.router_logits, attention_mask) \
             if isinstance(out, MoeModelOutputWithPast) else None
         loss = None
@@ -293,15 +292,13 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
 
 
 class HybridNormBackbone(torch.nn.Module):
-    """``HybridNormForCausalLM.base_model`` and ``get_decoder()``: the causal LM without its head, called as
-    ``HybridNormModel`` is (its arguments, its ``BaseModelOutputWithPast``), so ``head(last_hidden_state)``
-    is the LM's logits. A view, made on each access: its one child is the LM's own TransformerLM, so no
-    weight is held twice and the LM's state dict is unchanged (the LM does not hold the view). The child is
-    called ``decoder``, never ``model``: transformers' ``unwrap_peft_model`` takes a base model with a
-    ``model`` attribute for a PEFT wrapper and would unwrap the LM to the bare TransformerLM."""
+    """``HybridNormForCausalLM.base_model`` and ``get_decoder()``: the LM without its head, called as
+    ``HybridNormModel`` is, so ``head(last_hidden_state)`` is the LM's logits. A view made on each access,
+    whose one child is the LM's TransformerLM (nothing held twice; the LM does not hold it). That child is
+    ``decoder``, never ``model``: transformers' ``unwrap_peft_model`` takes a base model with a ``model``
+    for a PEFT wrapper and would unwrap the LM to the bare TransformerLM."""
 
-    _tp_plan = None  # read by supports_tp_plan / supports_pp_plan: none declared, as on the LM
-    _pp_plan = None
+    _tp_plan = _pp_plan = None  # read by supports_tp_plan / supports_pp_plan: none declared, as on the LM
 
     def __init__(self, lm: HybridNormForCausalLM) -> None:
         super().__init__()
@@ -320,28 +317,43 @@ class HybridNormBackbone(torch.nn.Module):
     def get_decoder(self) -> HybridNormBackbone:
         return self
 
-    def get_input_embeddings(self) -> torch.nn.Embedding:
-        return self.owner.get_input_embeddings()
 
-
-class TiedHead(torch.nn.Module):
-    """``get_output_embeddings()`` of a tied model, where TransformerLM holds no head module and reads the
-    embedding's weight itself: the LM's child ``tied_head``, with no parameter or buffer of its own (the
-    state dict is unchanged). ``weight`` is the embedding's (V, d), read live, and ``bias`` None, as a tied
-    ``nn.Linear`` head's are in a stock model, for tools that apply the head themselves (TRL's fused LM head
-    reads both); called, it gives the LM's logits. A child, not a free view, because tools look the output
-    embeddings up among the model's modules (PEFT's ``target_modules="all-linear"`` does, to leave the head
-    out)."""
+class TiedHead(torch.nn.Linear):
+    """``get_output_embeddings()`` of a tied model (TransformerLM then holds no head module): the child
+    ``tied_head``, an ``nn.Linear`` as transformers' model tests ask, with no parameter of its own (the state
+    dict is unchanged). ``weight`` is the embedding's, read live, and ``bias`` None, as a stock tied head's,
+    for tools that apply the head themselves (TRL's fused LM head). The LM's logits come from calling it, so
+    an adapter or hook on it takes effect; a child, because tools look it up among the modules (PEFT's
+    ``"all-linear"`` does, to leave the head out)."""
 
     bias = None
 
     def __init__(self, lm: HybridNormForCausalLM) -> None:
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not Linear's: it would make a weight of its own
         object.__setattr__(self, "owner", lm)  # a reference, not a child module; read live, never stale
 
     @property
     def weight(self) -> torch.nn.Parameter:
         return self.owner.model.embed.weight
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "weight":  # a Parameter would otherwise meet Module.__setattr__'s KeyError
+            raise AttributeError("the tied head's weight is the embedding's (model.embed.weight): change that, or "
+                                 "untie the head (tie_word_embeddings=False, or set_output_embeddings(a head))")
+        super().__setattr__(name, value)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @out_features.setter
+    def out_features(self, value: int) -> None:  # resize_token_embeddings writes it after resizing the embedding
+        if value != self.out_features:
+            raise AttributeError(f"the tied head has the embedding's {self.out_features} rows, not {value}")
 
     def forward(self, x: Tensor) -> Tensor:
         with _offloaded_weights_loaded(self.owner.model.embed):
@@ -349,7 +361,7 @@ class TiedHead(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _offloaded_weights_loaded(module: torch.nn.Module | None) -> Iterator[None]:
+def _offloaded_weights_loaded(module: torch.nn.Module) -> Iterator[None]:
     """The tied head reads the embedding's weight outside the embedding's forward. Where accelerate has
     offloaded the embedding (a ``device_map`` with "cpu" or "disk"), its hook loads that weight only around
     the module's own forward, so run the hook's two halves around the read, as its forward wrapper does
