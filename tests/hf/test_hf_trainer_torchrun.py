@@ -1,6 +1,6 @@
-"""transformers' ``Trainer`` on ``HybridNormForCausalLM`` under the real ``torchrun`` (2 gloo processes on
-CPU), with DDP and with accelerate's FSDP2 wrapping each ``HybridNormDecoderLayer`` (the class our
-``_no_split_modules`` names): the same 4 logged losses as one process with the whole batch. The worker is
+"""transformers' ``Trainer`` (and TRL's ``SFTTrainer``) on ``HybridNormForCausalLM`` under the real ``torchrun``
+(2 gloo processes on CPU), with DDP and with accelerate's FSDP2 wrapping each ``HybridNormDecoderLayer`` (the
+class our ``_no_split_modules`` names): the same 4 logged losses as one process with the whole batch. The worker is
 ``trainer_worker.py``; Trainer counts the scored tokens over both processes (``num_items_in_batch``), so the
 two runs optimise the same objective. Measured: equal to ~1e-7 (float32 reduction order)."""
 
@@ -28,11 +28,15 @@ def losses(cmd: list[str], tmp: Path) -> list[float]:
     return json.loads(line.removeprefix("LOSSES "))
 
 
-@pytest.mark.parametrize(("placement", "moe"), [("hybridnorm_star", ""), ("hybridnorm", "moe")])
-def test_trainer_under_torchrun_equals_one_process(tmp_path: Path, placement: str, moe: str) -> None:
-    one = losses([sys.executable, WORKER, placement, "single", moe], tmp_path / "one")
+@pytest.mark.parametrize(("placement", "flags"), [("hybridnorm_star", []), ("hybridnorm", ["moe"]),
+                                                   ("hybridnorm_star", ["sft"])])
+def test_trainer_under_torchrun_equals_one_process(tmp_path: Path, placement: str, flags: list[str]) -> None:
+    """``sft``: TRL's SFTTrainer, whose fused LM head reads the tied head's weight itself (under FSDP2 too)."""
+    if "sft" in flags:
+        pytest.importorskip("trl", reason="TRL is not installed (it is in the dev extra)")
+    one = losses([sys.executable, WORKER, placement, "single", *flags], tmp_path / "one")
     assert len(one) == 4 and one[-1] < one[0]
     for mode in ("ddp", "fsdp2"):
-        two = losses([*TORCHRUN, "--standalone", "--nproc_per_node", "2", WORKER, placement, mode, moe],
+        two = losses([*TORCHRUN, "--standalone", "--nproc_per_node", "2", WORKER, placement, mode, *flags],
                      tmp_path / mode)
         assert two == pytest.approx(one, rel=1e-5), mode

@@ -1,9 +1,10 @@
-"""One transformers ``Trainer`` run of a tiny ``HybridNormForCausalLM`` (the worker that
-test_hf_trainer_torchrun.py starts alone and under ``torchrun``): 4 optimizer steps over 8 ragged samples
-per step, then one line ``LOSSES [...]`` (the logged losses) from rank 0.
+"""One transformers ``Trainer`` (or TRL ``SFTTrainer``) run of a tiny ``HybridNormForCausalLM`` (the worker
+that test_hf_trainer_torchrun.py starts alone and under ``torchrun``): 4 optimizer steps over 8 ragged
+samples per step, then one line ``LOSSES [...]`` (the logged losses) from rank 0.
 
-argv: PLACEMENT MODE [MOE]; MODE is ``single``, ``ddp`` or ``fsdp2`` (accelerate's FSDP2, wrapping each
-``HybridNormDecoderLayer``, the class ``_no_split_modules`` names)."""
+argv: PLACEMENT MODE [moe] [sft]; MODE is ``single``, ``ddp`` or ``fsdp2`` (accelerate's FSDP2, wrapping each
+``HybridNormDecoderLayer``, the class ``_no_split_modules`` names); ``sft``: TRL's SFTTrainer on the same
+samples, tokenized already, padded by TRL's own collator (its fused LM head computes the loss)."""
 
 from __future__ import annotations
 
@@ -21,18 +22,32 @@ from transformers import Trainer, TrainingArguments
 from hybridnorm.config import MoEConfig
 
 
-def main(placement: str, mode: str, moe: bool) -> None:
+def main(placement: str, mode: str, moe: bool, sft: bool) -> None:
     # an MoE's router losses depend on how the batch is split (computed per micro-batch, as Mixtral's): 0 here
     extra = dict(tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2, lb_loss_weight=0.0,
                                                      z_loss_weight=0.0)) if moe else {}
+    if sft:
+        extra["vocab_size"] = 257  # the byte tokenizer's ids, its pad id (256) included
     model = make(placement, **extra)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={"transformer_layer_cls_to_wrap": ["HybridNormDecoderLayer"],
                                                           "version": 2}) if mode == "fsdp2" else {}
-    args = TrainingArguments(output_dir=os.environ["OUT"], per_device_train_batch_size=8 // world, max_steps=4,
-                             learning_rate=1e-2, optim="adamw_torch", lr_scheduler_type="constant", logging_steps=1,
-                             report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0, **fsdp)
-    trainer = Trainer(model=model, args=args, train_dataset=ragged_samples() * 4, data_collator=collate)
+    common = dict(output_dir=os.environ["OUT"], per_device_train_batch_size=8 // world, max_steps=4,
+                  learning_rate=1e-2, optim="adamw_torch", lr_scheduler_type="constant", logging_steps=1,
+                  report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0, **fsdp)
+    if sft:
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        from hybridnorm.data.tokenizer import ByteTokenizer
+        from hybridnorm.hf.export import hf_tokenizer
+
+        rows = Dataset.from_list([{"input_ids": r["input_ids"]} for r in ragged_samples() * 4])
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common, bf16=False, gradient_checkpointing=False),
+                             train_dataset=rows, processing_class=hf_tokenizer(ByteTokenizer()))
+    else:
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=ragged_samples() * 4,
+                          data_collator=collate)
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
     trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
@@ -40,4 +55,4 @@ def main(placement: str, mode: str, moe: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], len(sys.argv) > 3 and sys.argv[3] == "moe")
+    main(sys.argv[1], sys.argv[2], "moe" in sys.argv[3:], "sft" in sys.argv[3:])
