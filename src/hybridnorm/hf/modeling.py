@@ -362,10 +362,9 @@ class TiedHead(torch.nn.Linear):
 
 @contextlib.contextmanager
 def _offloaded_weights_loaded(module: torch.nn.Module) -> Iterator[None]:
-    """The tied head reads the embedding's weight outside the embedding's forward. Where accelerate has
-    offloaded the embedding (a ``device_map`` with "cpu" or "disk"), its hook loads that weight only around
-    the module's own forward, so run the hook's two halves around the read, as its forward wrapper does
-    (accelerate's ``ModelHook`` protocol). Without such a hook: nothing."""
+    """The tied head reads the embedding's weight outside the embedding's forward. Where accelerate offloaded
+    the embedding (a ``device_map`` with "cpu" or "disk"), its hook loads that weight only around the module's
+    own forward: run the hook's two halves around the read, as its forward wrapper does. No hook: nothing."""
     hook = getattr(module, "_hf_hook", None)
     if hook is None:
         yield
