@@ -3,6 +3,7 @@ placements no stock class expresses (HybridNorm* first), checked against our own
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
 from hybridnorm import ModelConfig, TransformerLM
 from hybridnorm.config import MoEConfig
 from hybridnorm.data.tokenizer import ByteTokenizer, train_bpe
-from hybridnorm.hf import HybridNormConfig, HybridNormForCausalLM
+from hybridnorm.hf import HybridNormConfig, HybridNormForCausalLM, remote_code
 from hybridnorm.hf.export import export_model, export_run, hf_tokenizer
 from hybridnorm.loading import load_run
 from hybridnorm.nn.model import lm_loss
@@ -143,3 +144,30 @@ def test_trust_remote_code_loads_without_importing_hybridnorm_hf(tmp_path: Path)
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["HybridNormForCausalLM", "hybridnorm_star"]
+
+
+def test_a_model_loaded_with_trust_remote_code_saves_a_folder_that_loads_so_again(tmp_path: Path) -> None:
+    """Load the export with trust_remote_code=True, change the weights (as fine-tuning does), save_pretrained
+    (as Trainer and TRL do), then load the saved folder the same way in a fresh interpreter (as lm-eval's
+    ``--model hf`` does): the changed model's logits. transformers would copy the file defining each class
+    into the folder, a piece of our package, and leave the shim the config names unwritten: the saved folder
+    failed to load ("does not appear to have a file named modeling_hybridnorm.py")."""
+    export_model(model(), tmp_path / "hf", ByteTokenizer())
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    load = "import torch\nfrom transformers import AutoModelForCausalLM\n"
+    ids = "torch.arange(40, 52)[None]"
+    steps = {"tuned": "m = AutoModelForCausalLM.from_pretrained('hf', trust_remote_code=True)\n"
+                      "torch.nn.init.normal_(m.model.blocks[0].ffn.w_out.weight, std=0.5)\n"
+                      "m.save_pretrained('tuned')\n",
+             "loaded": "m = AutoModelForCausalLM.from_pretrained('tuned', trust_remote_code=True)\n"}
+    logits = {}
+    for name, code in steps.items():
+        code = load + code + f"torch.save(m({ids}).logits.detach(), '{name}.pt')\n"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                              env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        logits[name] = torch.load(tmp_path / f"{name}.pt")
+    assert torch.equal(logits["loaded"], logits["tuned"])
+    saved = {p.name for p in (tmp_path / "tuned").iterdir()}
+    assert "modeling_hybridnorm.py" in saved and not saved & {"configuration.py", "modeling.py"}
+    assert json.loads((tmp_path / "tuned" / "config.json").read_text())["auto_map"] == remote_code.AUTO_MAP

@@ -86,6 +86,11 @@ class HybridNormConfig(PretrainedConfig):
         self._sync()
         super().__post_init__(**kwargs)
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class: Any = "AutoConfig") -> None:
+        """Nothing: transformers calls this for a class loaded with trust_remote_code, and saving would then
+        copy this file into the folder (hybridnorm.hf.remote_code says why not, and what is written)."""
+
     def model_config(self) -> ModelConfig:
         """The ModelConfig this config describes: the ``hybridnorm`` dict with the standard size fields
         applied, the placement resolved to a dict (self-contained). Raises ConfigError naming a bad field."""

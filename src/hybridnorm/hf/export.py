@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from hybridnorm.config import ModelConfig
 from hybridnorm.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
-from hybridnorm.hf import folder, stock
+from hybridnorm.hf import folder, remote_code, stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import RUN_FILES, TrainState, save_checkpoint
@@ -32,7 +32,6 @@ from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCH_CHOICES: tuple[str, ...] = ("auto", MODEL_TYPE, *stock.BY_TYPE)
-SHIM = "modeling_hybridnorm.py"
 
 
 @dataclass
@@ -101,8 +100,7 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
         class_name, is_stock = match.class_name, True
     else:
         cfg = HybridNormConfig.from_model_config(mc, bos_token_id=eos, eos_token_id=eos)
-        cfg.auto_map = {"AutoConfig": f"{SHIM[:-3]}.HybridNormConfig",
-                        "AutoModelForCausalLM": f"{SHIM[:-3]}.HybridNormForCausalLM"}
+        cfg.auto_map = dict(remote_code.AUTO_MAP)  # save_pretrained writes the shim it names
         hf = HybridNormForCausalLM(cfg)
         hf.model.load_state_dict(sd, strict=True)
         class_name, is_stock = "HybridNormForCausalLM", False
@@ -115,12 +113,6 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
         hf.save_pretrained(tmp)
         if tokenizer is not None:
             hf_tokenizer(tokenizer, mc.max_seq_len).save_pretrained(tmp)
-        if not is_stock:
-            (tmp / SHIM).write_text(
-                "# hybridnorm's own HF class, for from_pretrained(..., trust_remote_code=True).\n"
-                "# Needs `pip install 'hybridnorm[hf]'`; `import hybridnorm.hf` registers it without this file.\n"
-                "from hybridnorm.hf.modeling import HybridNormConfig, HybridNormForCausalLM  # noqa: F401\n",
-                encoding="utf-8")
         (tmp / "hybridnorm_export.json").write_text(json.dumps({
             "class": class_name, "stock": is_stock, "reason": reason,
             "placement": mc.resolved_placement().to_dict(), "source": source}, indent=1, default=str),

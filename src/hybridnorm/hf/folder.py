@@ -34,7 +34,7 @@ from torch import Tensor
 
 from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
-from hybridnorm.hf import stock
+from hybridnorm.hf import remote_code, stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.train import tensor_check
 from hybridnorm.train.run import adapter_hint
@@ -44,9 +44,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 ALLOW_PICKLE_FLAG = "--allow-pickle"
-# What `hybridnorm export` writes for its own class (for other people's trust_remote_code=True loads).
-OWN_AUTO_MAP = {"AutoConfig": "modeling_hybridnorm.HybridNormConfig",
-                "AutoModelForCausalLM": "modeling_hybridnorm.HybridNormForCausalLM"}
 # Dropped, not refused: they choose kernels (possibly hub-hosted code), never the numbers we copy out.
 IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation", "_attn_implementation",
                        "_attn_implementation_internal", "_experts_implementation_internal")
@@ -132,7 +129,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{file}: model_type={model_type!r} is not one hybridnorm reads; supported: "
                           f"{', '.join(supported_model_types())}")
     cfg = dict(raw)
-    if model_type == MODEL_TYPE and cfg.get("auto_map") == OWN_AUTO_MAP:
+    if model_type == MODEL_TYPE and cfg.get("auto_map") == remote_code.AUTO_MAP:
         del cfg["auto_map"]  # our own export's pointer to its shim; the installed class is used instead
     if (where := _find_key(cfg, "auto_map")) is not None:
         raise ConfigError(f"{file}: {where} points transformers at Python code in the folder; hybridnorm never "

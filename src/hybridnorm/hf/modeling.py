@@ -17,10 +17,8 @@ builder (2-D padding masks, 4-D masks, static-cache lengths, packed sequences), 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -37,10 +35,12 @@ from transformers.modeling_outputs import (
 )
 from transformers.models.auto import modeling_auto
 
+from hybridnorm.hf import remote_code
 from hybridnorm.hf.attention import CacheView, HFKernel
 from hybridnorm.hf.compat import CACHE_FIELD, causal_mask, with_cache
 from hybridnorm.hf.configuration import MODEL_TYPE, HybridNormConfig
 from hybridnorm.hf.loss import causal_lm_loss
+from hybridnorm.hf.tied_head import TiedHead
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import head_std, trunc_normal
 from hybridnorm.nn.model import TransformerLM
@@ -105,6 +105,15 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             mc = self.model.config
             std = mc.std if isinstance(module, torch.nn.Embedding) else head_std(mc.resolved_init(), mc.std, mc.d_model)
             trunc_normal(module.weight, std)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: Any = "AutoModel") -> None:
+        """Nothing, as for the config: no source file copied on saving (hybridnorm.hf.remote_code)."""
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True) and remote_code.names_the_shim(getattr(self.config, "auto_map", None)):
+            remote_code.write_shim(save_directory)  # the module config.json's auto_map names
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.model.embed
@@ -316,64 +325,6 @@ class HybridNormBackbone(torch.nn.Module):
 
     def get_decoder(self) -> HybridNormBackbone:
         return self
-
-
-class TiedHead(torch.nn.Linear):
-    """``get_output_embeddings()`` of a tied model (TransformerLM then holds no head module): the child
-    ``tied_head``, an ``nn.Linear`` as transformers' model tests ask, with no parameter of its own (the state
-    dict is unchanged). ``weight`` is the embedding's, read live, and ``bias`` None, as a stock tied head's,
-    for tools that apply the head themselves (TRL's fused LM head). The LM's logits come from calling it, so
-    an adapter or hook on it takes effect; a child, because tools look it up among the modules (PEFT's
-    ``"all-linear"`` does, to leave the head out)."""
-
-    bias = None
-
-    def __init__(self, lm: HybridNormForCausalLM) -> None:
-        torch.nn.Module.__init__(self)  # not Linear's: it would make a weight of its own
-        object.__setattr__(self, "owner", lm)  # a reference, not a child module; read live, never stale
-
-    @property
-    def weight(self) -> torch.nn.Parameter:
-        return self.owner.model.embed.weight
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "weight":  # a Parameter would otherwise meet Module.__setattr__'s KeyError
-            raise AttributeError("the tied head's weight is the embedding's (model.embed.weight): change that, or "
-                                 "untie the head (tie_word_embeddings=False, or set_output_embeddings(a head))")
-        super().__setattr__(name, value)
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @out_features.setter
-    def out_features(self, value: int) -> None:  # resize_token_embeddings writes it after resizing the embedding
-        if value != self.out_features:
-            raise AttributeError(f"the tied head has the embedding's {self.out_features} rows, not {value}")
-
-    def forward(self, x: Tensor) -> Tensor:
-        with _offloaded_weights_loaded(self.owner.model.embed):
-            return self.owner.model.head(x)  # (B, T, V)
-
-
-@contextlib.contextmanager
-def _offloaded_weights_loaded(module: torch.nn.Module) -> Iterator[None]:
-    """The tied head reads the embedding's weight outside the embedding's forward. Where accelerate offloaded
-    the embedding (a ``device_map`` with "cpu" or "disk"), its hook loads that weight only around the module's
-    own forward: run the hook's two halves around the read, as its forward wrapper does. No hook: nothing."""
-    hook = getattr(module, "_hf_hook", None)
-    if hook is None:
-        yield
-        return
-    hook.pre_forward(module)
-    try:
-        yield
-    finally:
-        hook.post_forward(module, None)
 
 
 def _return_dict(config: HybridNormConfig, return_dict: bool | None) -> bool:
