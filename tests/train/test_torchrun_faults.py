@@ -91,7 +91,6 @@ def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(e
     assert steps == sorted({*range(5, stopped + 1, 5), *range(5, 61, 5)})
 
 
-
 @pytest.mark.parametrize("killed", [0, 1])  # rank 0 also holds the run folder's lock and writes the logs
 def test_torchrun_max_restarts_brings_a_killed_rank_back_and_the_run_ends_as_if_never_stopped(killed, kjv_cache,
                                                                                                tmp_path):
@@ -116,6 +115,7 @@ def test_torchrun_max_restarts_brings_a_killed_rank_back_and_the_run_ends_as_if_
 
     steps = _steps_matching_a_straight_run(out, args, kjv_cache, ref)
     assert steps == list(range(5, 61, 5))  # the dead attempt's steps past its checkpoint dropped
+
 
 def _rank_0_saw_its_peer_go(log) -> None:
     """rank 0 ends with an error line saying its peer went away, or, when torchrun (seeing rank 1 die)

@@ -133,10 +133,9 @@ class HybridNormConfig(PretrainedConfig):
         self.max_position_embeddings = mc.max_seq_len
         self.rms_norm_eps, self.rope_theta = mc.norm_eps, mc.rope_theta
         self.initializer_range = mc.init_std
-        for hf_name, name in _MOE_FIELDS.items():
-            if mc.moe is not None:
-                setattr(self, hf_name, getattr(mc.moe, name))
         if mc.moe is not None:
+            for hf_name, name in _MOE_FIELDS.items():
+                setattr(self, hf_name, getattr(mc.moe, name))
             self.output_router_logits = bool(getattr(self, "output_router_logits", False))
         else:  # a dense model has none of them (a dense config.json's output_router_logits: ignored, as Llama does)
             for name in MOE_ONLY:

@@ -97,11 +97,11 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             # the tables are computed, never loaded: they must hold numbers even where the embedding is still
             # on the meta device after loading (a device_map that offloads it), or accelerate cannot place them
             module.reset_rope(torch.device("cpu") if module.embed.weight.is_meta else None)
-        elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and not isinstance(module, TiedHead) \
-                and "model" in self._modules \
-                and all(module is not m for m in self.model.modules()):
-            # one transformers made outside the model: resize_token_embeddings(mean_resizing=False)'s new
-            # embedding or head, drawn as the scheme draws those (torch's own default would be N(0, 1))
+        elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
+                and all(module.weight is not p for p in self.model.parameters()):
+            # a weight transformers made outside the model: resize_token_embeddings(mean_resizing=False)'s new
+            # embedding or head, drawn as the scheme draws those (torch's own default would be N(0, 1)); not
+            # tied_head, whose weight is the embedding's
             mc = self.model.config
             std = mc.std if isinstance(module, torch.nn.Embedding) else head_std(mc.resolved_init(), mc.std, mc.d_model)
             trunc_normal(module.weight, std)
@@ -112,7 +112,7 @@ class HybridNormPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
         super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True) and remote_code.names_the_shim(getattr(self.config, "auto_map", None)):
+        if kwargs.get("is_main_process", True) and getattr(self.config, "auto_map", None) == remote_code.AUTO_MAP:
             remote_code.write_shim(save_directory)  # the module config.json's auto_map names
 
     def get_input_embeddings(self) -> torch.nn.Embedding:

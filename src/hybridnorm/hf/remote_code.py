@@ -14,16 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 SHIM = "modeling_hybridnorm.py"
-AUTO_MAP = {"AutoConfig": "modeling_hybridnorm.HybridNormConfig",
-            "AutoModelForCausalLM": "modeling_hybridnorm.HybridNormForCausalLM"}
+AUTO_MAP = {"AutoConfig": f"{SHIM.removesuffix('.py')}.HybridNormConfig",
+            "AutoModelForCausalLM": f"{SHIM.removesuffix('.py')}.HybridNormForCausalLM"}
 SHIM_SOURCE = ("# hybridnorm's own HF class, for from_pretrained(..., trust_remote_code=True).\n"
                "# Needs `pip install 'hybridnorm[hf]'`; `import hybridnorm.hf` registers it without this file.\n"
                "from hybridnorm.hf.modeling import HybridNormConfig, HybridNormForCausalLM  # noqa: F401\n")
-
-
-def names_the_shim(auto_map: object) -> bool:
-    """Whether a config's ``auto_map`` points at the shim module (the map export writes, or one like it)."""
-    return isinstance(auto_map, dict) and any(str(v).startswith(SHIM[:-3] + ".") for v in auto_map.values())
 
 
 def write_shim(folder: str | Path) -> None:
