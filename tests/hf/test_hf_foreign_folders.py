@@ -100,6 +100,7 @@ def _import_err(argv: list[str], capsys) -> str:
     (lambda c: c.update(auto_map="evil.Evil"), "auto_map"),
     (lambda c: c.update(text_config={"auto_map": {"AutoConfig": "evil.C"}}), "text_config.auto_map"),
     (lambda c: c.update(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
+    (lambda c: c.update(architectures=["LlamaForSequenceClassification"]), "architectures"),
     (lambda c: c.update(hidden_size="wide"), "config.json"),
     (lambda c: c.update(num_hidden_layers=-3), "config.json"),
 ])

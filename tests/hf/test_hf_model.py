@@ -18,6 +18,7 @@ import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
 from hybridnorm import ModelConfig, TransformerLM
 from hybridnorm.config import MoEConfig
 from hybridnorm.data.tokenizer import ByteTokenizer, train_bpe
+from hybridnorm.errors import ConfigError
 from hybridnorm.hf import HybridNormConfig, HybridNormForCausalLM, remote_code
 from hybridnorm.hf.export import export_model, export_run, hf_tokenizer
 from hybridnorm.loading import load_run
@@ -171,3 +172,26 @@ def test_a_model_loaded_with_trust_remote_code_saves_a_folder_that_loads_so_agai
     saved = {p.name for p in (tmp_path / "tuned").iterdir()}
     assert "modeling_hybridnorm.py" in saved and not saved & {"configuration.py", "modeling.py"}
     assert json.loads((tmp_path / "tuned" / "config.json").read_text())["auto_map"] == remote_code.AUTO_MAP
+
+
+def test_an_older_exports_auto_map_is_still_ours_and_grows_to_todays_on_saving(tmp_path: Path) -> None:
+    """Exports before the task heads named the config and the LM only. Such a folder still passes the import
+    guard (a map of ours, dropped there, the installed classes used), a changed map does not; and saving a
+    model loaded from it writes today's map and a shim that gives every class it names."""
+    from hybridnorm.hf import folder
+
+    export_model(model(), tmp_path / "hf", ByteTokenizer())
+    cfg_file = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["auto_map"] = {k: remote_code.AUTO_MAP[k] for k in ("AutoConfig", "AutoModelForCausalLM")}
+    cfg_file.write_text(json.dumps(cfg))
+    assert "auto_map" not in folder.read_config(tmp_path / "hf")
+    m = HybridNormForCausalLM.from_pretrained(tmp_path / "hf")
+    m.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["auto_map"] == remote_code.AUTO_MAP
+    shim = (tmp_path / "saved" / remote_code.SHIM).read_text()
+    assert all(name in shim for name in remote_code.CLASSES.values())
+    for wrong in ({**cfg["auto_map"], "AutoModelForCausalLM": "evil.Model"}, {"AutoModel": "modeling_hybridnorm.X"}):
+        cfg_file.write_text(json.dumps({**cfg, "auto_map": wrong}))
+        with pytest.raises(ConfigError, match="auto_map"):
+            folder.read_config(tmp_path / "hf")

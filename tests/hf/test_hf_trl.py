@@ -62,11 +62,11 @@ def logged(trainer: object) -> list[dict]:
     return steps
 
 
-def assert_same_steps(a: list[dict], b: list[dict], rel: float = 1e-5) -> None:
+def assert_same_steps(a: list[dict], b: list[dict], rel: float = 1e-5, abs_tol: float = 1e-6) -> None:
     for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys()
         for k in x:
-            assert x[k] == pytest.approx(y[k], rel=rel, abs=1e-6), (k, x, y)
+            assert x[k] == pytest.approx(y[k], rel=rel, abs=abs_tol), (k, x, y)
 
 
 def sft(model: torch.nn.Module, folder: Path, mode: str) -> list[dict]:

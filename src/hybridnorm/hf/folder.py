@@ -7,8 +7,8 @@ pickle weight file (``pytorch_model.bin``, ``*.pt`` ...) can run code when unpic
 the folder itself first, and only what passes goes on:
 
 - ``config.json`` is parsed here as plain JSON: a mapping whose ``model_type`` is one hybridnorm imports;
-  an ``auto_map`` anywhere in it is refused (the one exception: the exact map ``hybridnorm export`` writes
-  for its own class, which is then dropped: the installed class is used, never the folder's file); a
+  an ``auto_map`` anywhere in it is refused (the one exception: a map ``hybridnorm export`` writes for its
+  own classes, today's or an older one, which is then dropped: the installed class is used, never the folder's file); a
   ``quantization_config`` is refused (it loads quantizer back ends, and hybridnorm has no quantized layers);
   attention/expert implementation keys, which may name kernels to fetch, are dropped.
 - The config object is built from that dict by the *concrete* class of the model type, and the weights are
@@ -49,6 +49,9 @@ IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation", "_attn_i
                        "_attn_implementation_internal", "_experts_implementation_internal")
 # JSON files of a folder that from_pretrained reads on its own (generation defaults)
 SIDE_JSON = ("generation_config.json",)
+# an ``architectures`` entry of a folder that holds a language model: a causal LM, or the bare decoder (whose
+# LM head, if tied, is the embedding; an untied one is then refused as missing)
+LM_SUFFIXES = ("ForCausalLM", "Model")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -128,8 +131,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
         # guess a type from the folder's name
         raise ConfigError(f"{file}: model_type={model_type!r} is not one hybridnorm reads; supported: "
                           f"{', '.join(supported_model_types())}")
+    arch = raw.get("architectures")
+    if isinstance(arch, list) and arch and not any(isinstance(a, str) and a.endswith(LM_SUFFIXES) for a in arch):
+        raise ConfigError(f"{file}: architectures={arch!r} names no language model (a task head: a classifier, "
+                          "reward model or tagger has no LM head to generate or score with); hybridnorm reads "
+                          "causal LMs (architectures ending in ForCausalLM)")
     cfg = dict(raw)
-    if model_type == MODEL_TYPE and cfg.get("auto_map") == remote_code.AUTO_MAP:
+    if model_type == MODEL_TYPE and remote_code.is_ours(cfg.get("auto_map")):
         del cfg["auto_map"]  # our own export's pointer to its shim; the installed class is used instead
     if (where := _find_key(cfg, "auto_map")) is not None:
         raise ConfigError(f"{file}: {where} points transformers at Python code in the folder; hybridnorm never "

@@ -1,5 +1,6 @@
 """Every placement as a Hugging Face ``transformers`` model: ``HybridNormModel`` (``AutoModel``) and
-``HybridNormForCausalLM`` (``AutoModelForCausalLM``).
+``HybridNormForCausalLM`` (``AutoModelForCausalLM``); the task heads over the same decoder are in
+:mod:`hybridnorm.hf.heads`.
 
 Both hold the training code's own :class:`hybridnorm.TransformerLM` as ``model``, so a folder's weights are
 a TransformerLM state dict under a ``model.`` prefix (the names every export has had) and the placement's
@@ -7,7 +8,8 @@ math is the code that trained it. What a transformers model owes its callers com
 parts, plugged in at our seams (:mod:`hybridnorm.hf.attention`): its caches (dynamic, static, ...), its mask
 builder (2-D padding masks, 4-D masks, static-cache lengths, packed sequences), its attention backends
 (``attn_implementation``: eager, sdpa), its loss conventions (``num_items_in_batch``,
-``shift_labels``). Importing ``hybridnorm.hf`` registers the classes with the Auto factories::
+``shift_labels``). Importing ``hybridnorm.hf`` registers the classes with the Auto factories
+(:mod:`hybridnorm.hf.auto`)::
 
     import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -33,7 +35,6 @@ from transformers.modeling_outputs import (
     MoeCausalLMOutputWithPast,
     MoeModelOutputWithPast,
 )
-from transformers.models.auto import modeling_auto
 
 from hybridnorm.hf import remote_code
 from hybridnorm.hf.attention import CacheView, HFKernel
@@ -46,7 +47,7 @@ from hybridnorm.nn.init import head_std, trunc_normal
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.moe import MoEFFN, mean_router_losses, router_losses
 
-__all__ = ["MODEL_TYPE", "HybridNormConfig", "HybridNormForCausalLM", "HybridNormModel", "register"]
+__all__ = ["MODEL_TYPE", "HybridNormConfig", "HybridNormForCausalLM", "HybridNormModel"]
 
 
 class HybridNormDecoderLayer(Block, GradientCheckpointingLayer):
@@ -79,7 +80,7 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             a = block.attn
             block.attn.inner = HFKernel(self.config, a.n_heads, a.n_kv_heads, a.head_dim, a.layer_idx)
         self.gradient_checkpointing = False  # set with the layers' by gradient_checkpointing_enable()
-        self.post_init()
+        # each subclass calls post_init() once its own modules exist (a head is drawn there)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Any = checkpoint,
                                     *args: Any, **kwargs: Any) -> None:
@@ -99,21 +100,32 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             module.reset_rope(torch.device("cpu") if module.embed.weight.is_meta else None)
         elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
                 and all(module.weight is not p for p in self.model.parameters()):
-            # a weight transformers made outside the model: resize_token_embeddings(mean_resizing=False)'s new
-            # embedding or head, drawn as the scheme draws those (torch's own default would be N(0, 1)); not
-            # tied_head, whose weight is the embedding's
+            # a weight outside the model: resize_token_embeddings(mean_resizing=False)'s new embedding or head,
+            # or a task head (hybridnorm.hf.heads), drawn as the scheme draws the LM head, which reads the same
+            # hidden states (torch's own default would be N(0, 1)); not tied_head, whose weight is the embedding's
             mc = self.model.config
             std = mc.std if isinstance(module, torch.nn.Embedding) else head_std(mc.resolved_init(), mc.std, mc.d_model)
             trunc_normal(module.weight, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
 
     @classmethod
     def register_for_auto_class(cls, auto_class: Any = "AutoModel") -> None:
         """Nothing, as for the config: no source file copied on saving (hybridnorm.hf.remote_code)."""
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        ours = remote_code.is_ours(getattr(self.config, "auto_map", None))
+        if ours:  # an older export's map grows to today's: the shim written below gives every class it names
+            self.config.auto_map = dict(remote_code.AUTO_MAP)
         super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True) and getattr(self.config, "auto_map", None) == remote_code.AUTO_MAP:
+        if ours and kwargs.get("is_main_process", True):
             remote_code.write_shim(save_directory)  # the module config.json's auto_map names
+
+    @property
+    def base_model(self) -> HybridNormBackbone:
+        # transformers' contract: the decoder without its head, as a backbone (Llama's: its LlamaModel). TRL's
+        # trainers run it, then the head; the inherited property would give the bare TransformerLM
+        return HybridNormBackbone(self)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.model.embed
@@ -223,6 +235,10 @@ class HybridNormModel(HybridNormPreTrainedModel):
     the head reads. The untied head's weight, if any, stays in ``model.lm_head`` so that weight names are
     those of every export (a HybridNormForCausalLM folder loads here, and back, without renaming)."""
 
+    def __init__(self, config: HybridNormConfig) -> None:
+        super().__init__(config)
+        self.post_init()
+
     @property
     def base_model(self) -> HybridNormModel:
         # transformers' contract: a backbone is its own base model (LlamaModel's is itself), not the bare
@@ -250,12 +266,7 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
         super().__init__(config)
         if self.model.lm_head is None:  # tied: TransformerLM reads embed.weight itself
             self.tied_head = TiedHead(self)
-
-    @property
-    def base_model(self) -> HybridNormBackbone:
-        # transformers' contract: the decoder without its head, as a backbone (Llama's: its LlamaModel). TRL's
-        # trainers run it, then the head; the inherited property would give the bare TransformerLM
-        return HybridNormBackbone(self)
+        self.post_init()
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.model.lm_head if self.model.lm_head is not None else self.tied_head
@@ -301,15 +312,15 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
 
 
 class HybridNormBackbone(torch.nn.Module):
-    """``HybridNormForCausalLM.base_model`` and ``get_decoder()``: the LM without its head, called as
-    ``HybridNormModel`` is, so ``head(last_hidden_state)`` is the LM's logits. A view made on each access,
-    whose one child is the LM's TransformerLM (nothing held twice; the LM does not hold it). That child is
-    ``decoder``, never ``model``: transformers' ``unwrap_peft_model`` takes a base model with a ``model``
-    for a PEFT wrapper and would unwrap the LM to the bare TransformerLM."""
+    """``base_model`` of the LM and the task heads, and the LM's ``get_decoder()``: the decoder without its
+    head, called as ``HybridNormModel`` is, so ``head(last_hidden_state)`` is the LM's logits. A view made on
+    each access, whose one child is the model's TransformerLM (nothing held twice; the model does not hold
+    it). That child is ``decoder``, never ``model``: transformers' ``unwrap_peft_model`` takes a base model
+    with a ``model`` for a PEFT wrapper and would unwrap the model to the bare TransformerLM."""
 
     _tp_plan = _pp_plan = None  # read by supports_tp_plan / supports_pp_plan: none declared, as on the LM
 
-    def __init__(self, lm: HybridNormForCausalLM) -> None:
+    def __init__(self, lm: HybridNormPreTrainedModel) -> None:
         super().__init__()
         self.decoder = lm.model
         object.__setattr__(self, "owner", lm)  # a reference, not a child module
@@ -329,23 +340,3 @@ class HybridNormBackbone(torch.nn.Module):
 
 def _return_dict(config: HybridNormConfig, return_dict: bool | None) -> bool:
     return config.return_dict if return_dict is None else return_dict
-
-
-def register() -> None:
-    """Register the classes with the Auto factories (idempotent; done on ``import hybridnorm.hf``), and name
-    them in transformers' class-name tables of base models and causal LMs.
-
-    ``register`` alone is not enough: parts of transformers recognise a causal LM by those tables, which it
-    does not touch. ``Trainer`` with ``label_smoothing_factor`` shifts the labels only for a class named in
-    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: any other model is scored against its own input tokens, silently.
-    The Auto factories never see these entries: every lookup there goes through ``CONFIG_MAPPING_NAMES``,
-    where ``hybridnorm`` is not (our config is reached through the registered classes)."""
-    for factory, key, cls in ((AutoConfig, MODEL_TYPE, HybridNormConfig),
-                              (AutoModel, HybridNormConfig, HybridNormModel),
-                              (AutoModelForCausalLM, HybridNormConfig, HybridNormForCausalLM)):
-        try:
-            factory.register(key, cls)
-        except ValueError:  # already registered
-            pass
-    modeling_auto.MODEL_MAPPING_NAMES.setdefault(MODEL_TYPE, HybridNormModel.__name__)
-    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(MODEL_TYPE, HybridNormForCausalLM.__name__)
