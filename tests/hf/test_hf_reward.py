@@ -83,7 +83,7 @@ def test_a_reward_model_scores_grpos_samples_as_the_stock_class_does(tmp_path: P
     itself): with our reward model or the stock one, the same rewards, advantages and steps."""
     policy_folder = exported(tmp_path / "policy", "llama")[1]  # one stock policy for both runs
     runs = []
-    for model, name in zip(reward_models(tmp_path / "rm", "olmo2"), ("ours", "stock"), strict=True):
+    for model, name in zip(reward_models(tmp_path / "rm", "qwen3"), ("ours", "stock"), strict=True):
         args = sgd(GRPOConfig, tmp_path / name / "grpo", num_generations=4, max_completion_length=8)
         trainer = GRPOTrainer(model=str(policy_folder), reward_funcs=model, args=args,
                               train_dataset=Dataset.from_list([{"prompt": t[:12]} for t in TEXTS]),
