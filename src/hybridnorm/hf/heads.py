@@ -7,7 +7,8 @@ export), so an exported LM folder loads into any of them: the trunk is the LM's,
 (``from_pretrained`` names it), and an untied LM head is left out (named as unused). The head reads the
 final-normed hidden states the LM head reads. Pooling, dropout, biases and losses are transformers' own
 conventions (its generic heads, which ``LlamaForSequenceClassification`` and the rest are; they are the
-oracle in tests/hf/test_hf_heads.py), with two differences:
+oracle in tests/hf/test_hf_heads.py), with two differences in what is trained (docs/huggingface.md lists
+the others: positions under left padding, the pad token's embedding, loading an LM folder's trunk into QA):
 
 - **Gradient accumulation.** ``Trainer`` hands ``num_items_in_batch`` to any forward with ``**kwargs`` and then
   leaves the loss undivided by the accumulation steps; transformers' generic classification heads drop it
