@@ -29,9 +29,12 @@ def losses(cmd: list[str], tmp: Path) -> list[float]:
 
 
 @pytest.mark.parametrize(("placement", "flags"), [("hybridnorm_star", []), ("hybridnorm", ["moe"]),
-                                                   ("hybridnorm_star", ["sft"])])
+                                                   ("hybridnorm_star", ["sft"]), ("hybridnorm_star", ["seqcls"])],
+                         ids=["lm", "moe", "sft", "seqcls"])
 def test_trainer_under_torchrun_equals_one_process(tmp_path: Path, placement: str, flags: list[str]) -> None:
-    """``sft``: TRL's SFTTrainer, whose fused LM head reads the tied head's weight itself (under FSDP2 too)."""
+    """``sft``: TRL's SFTTrainer, whose fused LM head reads the tied head's weight itself (under FSDP2 too).
+    ``seqcls``: an untied sequence classifier with gradient checkpointing, so DDP looks for no unused
+    parameter (an LM head held but never used would fail it); one label per sample, counted over both ranks."""
     if "sft" in flags:
         pytest.importorskip("trl", reason="TRL is not installed (it is in the dev extra)")
     one = losses([sys.executable, WORKER, placement, "single", *flags], tmp_path / "one")

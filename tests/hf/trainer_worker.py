@@ -2,9 +2,11 @@
 that test_hf_trainer_torchrun.py starts alone and under ``torchrun``): 4 optimizer steps over 8 ragged
 samples per step, then one line ``LOSSES [...]`` (the logged losses) from rank 0.
 
-argv: PLACEMENT MODE [moe] [sft]; MODE is ``single``, ``ddp`` or ``fsdp2`` (accelerate's FSDP2, wrapping each
-``HybridNormDecoderLayer``, the class ``_no_split_modules`` names); ``sft``: TRL's SFTTrainer on the same
-samples, tokenized already, padded by TRL's own collator (its fused LM head computes the loss)."""
+argv: PLACEMENT MODE [moe] [sft] [seqcls]; MODE is ``single``, ``ddp`` or ``fsdp2`` (accelerate's FSDP2,
+wrapping each ``HybridNormDecoderLayer``, the class ``_no_split_modules`` names); ``sft``: TRL's SFTTrainer on
+the same samples, tokenized already, padded by TRL's own collator (its fused LM head computes the loss);
+``seqcls``: an untied ``HybridNormForSequenceClassification`` (3 classes, one label per sample) with gradient
+checkpointing, under which Trainer asks DDP to find no unused parameters: every weight must get a gradient."""
 
 from __future__ import annotations
 
@@ -16,13 +18,30 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_hf_trainer import collate, make, ragged_samples
+from test_hf_trainer import V, collate, make, ragged_samples
 from transformers import Trainer, TrainingArguments
 
 from hybridnorm.config import MoEConfig
+from hybridnorm.hf import HybridNormConfig, HybridNormForSequenceClassification
 
 
-def main(placement: str, mode: str, moe: bool, sft: bool) -> None:
+def classifier(placement: str) -> tuple[HybridNormForSequenceClassification, list[dict], object]:
+    """The model, the samples (label: the length mod 3) and their collator (right-padded with id V)."""
+    torch.manual_seed(0)
+    mc = make(placement, vocab_size=V + 1, tie_embeddings=False).model.config
+    model = HybridNormForSequenceClassification(HybridNormConfig.from_model_config(mc, num_labels=3, pad_token_id=V))
+    rows = [{"input_ids": r["input_ids"], "labels": len(r["input_ids"]) % 3} for r in ragged_samples()]
+
+    def collate_rows(batch: list[dict]) -> dict[str, torch.Tensor]:
+        padded = collate([{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in batch])
+        ids = padded["input_ids"].masked_fill(padded["attention_mask"] == 0, V)
+        return {"input_ids": ids, "attention_mask": padded["attention_mask"],
+                "labels": torch.tensor([r["labels"] for r in batch])}
+
+    return model, rows, collate_rows
+
+
+def main(placement: str, mode: str, moe: bool, sft: bool, seqcls: bool) -> None:
     # an MoE's router losses depend on how the batch is split (computed per micro-batch, as Mixtral's): 0 here
     extra = dict(tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2, lb_loss_weight=0.0,
                                                      z_loss_weight=0.0)) if moe else {}
@@ -45,6 +64,10 @@ def main(placement: str, mode: str, moe: bool, sft: bool) -> None:
         rows = Dataset.from_list([{"input_ids": r["input_ids"]} for r in ragged_samples() * 4])
         trainer = SFTTrainer(model=model, args=SFTConfig(**common, bf16=False, gradient_checkpointing=False),
                              train_dataset=rows, processing_class=hf_tokenizer(ByteTokenizer()))
+    elif seqcls:
+        model, rows, collate_rows = classifier(placement)
+        trainer = Trainer(model=model, args=TrainingArguments(**common, gradient_checkpointing=True),
+                          train_dataset=rows * 4, data_collator=collate_rows)
     else:
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=ragged_samples() * 4,
                           data_collator=collate)
@@ -55,4 +78,4 @@ def main(placement: str, mode: str, moe: bool, sft: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "moe" in sys.argv[3:], "sft" in sys.argv[3:])
+    main(sys.argv[1], sys.argv[2], "moe" in sys.argv[3:], "sft" in sys.argv[3:], "seqcls" in sys.argv[3:])
