@@ -23,6 +23,7 @@ from test_hf_stock_seams import CASES
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -275,3 +276,27 @@ def test_a_classifier_folder_given_to_our_commands_is_one_error_naming_its_archi
         err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert len(err) == 1 and "architectures=['HybridNormForSequenceClassification']" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("head", ["single_label", "lm"])
+def test_base_model_saves_as_the_backbone_that_loads_into_every_head(tmp_path: Path, head: str) -> None:
+    """``model.base_model.save_pretrained`` (transformers' own model suite does it for every head class, as a
+    stock head's base model is a PreTrainedModel): a HybridNormModel folder with the same final hidden states,
+    which any head loads with only its own head missing; the model's own config is left as it was."""
+    folder, _ = exported(tmp_path, "llama", tie=False)
+    model = (AutoModelForCausalLM.from_pretrained(folder) if head == "lm"
+             else HEADS[head][0].from_pretrained(folder, pad_token_id=PAD, **HEADS[head][2])).eval()
+    before = model.config.to_dict()
+    model.base_model.save_pretrained(tmp_path / "backbone")
+    assert model.config.to_dict() == before
+    backbone = AutoModel.from_pretrained(tmp_path / "backbone").eval()
+    assert type(backbone) is HybridNormModel and backbone.config.architectures == ["HybridNormModel"]
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(backbone(ids, attention_mask=mask).last_hidden_state,
+                           model.base_model(ids, attention_mask=mask).last_hidden_state)
+    for auto, name, kw in HEADS.values():
+        _, info = auto.from_pretrained(tmp_path / "backbone", pad_token_id=PAD, output_loading_info=True, **kw)
+        assert {k.split(".")[0] for k in info["missing_keys"]} == {name}
+        # HybridNormModel keeps an untied LM's head weight (the LM's names, docs/huggingface.md); a head has none
+        assert info["unexpected_keys"] == ({"model.lm_head.weight"} if head == "lm" else set())

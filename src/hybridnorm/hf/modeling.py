@@ -19,6 +19,7 @@ builder (2-D padding masks, 4-D masks, static-cache lengths, packed sequences), 
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from typing import Any, ClassVar
@@ -328,6 +329,23 @@ class HybridNormBackbone(torch.nn.Module):
     @property
     def config(self) -> HybridNormConfig:
         return self.owner.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.owner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.owner.dtype
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        """Saved as ``HybridNormModel`` (its class in ``config.json``, the ``model.`` weight names), from these
+        weights without a copy, so the folder loads with ``AutoModel`` and into the LM or any task head (their
+        head drawn), as a stock model's ``base_model.save_pretrained`` folder does."""
+        with torch.device("meta"):  # a shell: its TransformerLM is replaced by this one's before saving
+            backbone = HybridNormModel(copy.deepcopy(self.config))
+        backbone.model = self.decoder
+        backbone.save_pretrained(save_directory, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPast | tuple:
         # HybridNormModel's forward on the LM itself: it reads only what both classes have (config, _decode),
