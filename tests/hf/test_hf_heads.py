@@ -300,3 +300,13 @@ def test_base_model_saves_as_the_backbone_that_loads_into_every_head(tmp_path: P
         assert {k.split(".")[0] for k in info["missing_keys"]} == {name}
         # HybridNormModel keeps an untied LM's head weight (the LM's names, docs/huggingface.md); a head has none
         assert info["unexpected_keys"] == ({"model.lm_head.weight"} if head == "lm" else set())
+
+
+def test_the_folders_auto_map_names_exactly_the_registered_classes() -> None:
+    """Two tables list our classes: the shim's (hybridnorm.hf.remote_code: names, imported by modeling before the
+    classes exist) and the Auto factories' (hybridnorm.hf.auto). They must agree, or a trust_remote_code load
+    and an ``import hybridnorm.hf`` load would give different classes."""
+    from hybridnorm.hf import auto, remote_code
+
+    registered = {"AutoConfig": "HybridNormConfig"} | {f.__name__: c.__name__ for f, c, _ in auto.CLASSES}
+    assert registered == remote_code.CLASSES

@@ -8,9 +8,9 @@ the folder itself first, and only what passes goes on:
 
 - ``config.json`` is parsed here as plain JSON: a mapping whose ``model_type`` is one hybridnorm imports;
   an ``auto_map`` anywhere in it is refused (the one exception: a map ``hybridnorm export`` writes for its
-  own classes, today's or an older one, which is then dropped: the installed class is used, never the folder's file); a
-  ``quantization_config`` is refused (it loads quantizer back ends, and hybridnorm has no quantized layers);
-  attention/expert implementation keys, which may name kernels to fetch, are dropped.
+  own classes, today's or an older one, which is then dropped: the installed classes are used, never the
+  folder's file); a ``quantization_config`` is refused (it loads quantizer back ends, and hybridnorm has no
+  quantized layers); attention/expert implementation keys, which may name kernels to fetch, are dropped.
 - The config object is built from that dict by the *concrete* class of the model type, and the weights are
   loaded by the concrete model class, with ``trust_remote_code=False``: no ``Auto*`` factory ever sees the
   folder, so no ``auto_map`` is consulted and nothing is ever asked on stdin.

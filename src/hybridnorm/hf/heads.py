@@ -45,9 +45,11 @@ logger = logging.get_logger(__name__)
 
 class _HeadModel(HybridNormPreTrainedModel):
     """The decoder for a task head: no LM head (an untied one would be a vocabulary-sized weight that no loss
-    reaches: DDP without ``find_unused_parameters`` refuses such a model)."""
+    reaches: DDP without ``find_unused_parameters`` refuses such a model). Each head adds its own modules,
+    then calls ``post_init()``."""
 
-    def _drop_lm_head(self) -> None:
+    def __init__(self, config: HybridNormConfig) -> None:
+        super().__init__(config)
         self.model.lm_head = None
 
     def _hidden(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
@@ -73,7 +75,6 @@ class HybridNormForSequenceClassification(_HeadModel):
 
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
-        self._drop_lm_head()
         self.num_labels = config.num_labels
         self.score = torch.nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
@@ -91,13 +92,11 @@ class HybridNormForSequenceClassification(_HeadModel):
         if pad is None and B != 1:
             raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined: set the config's "
                              "pad_token_id (the row's score is read at its last token that is not padding)")
-        if pad is None:
-            last = torch.full((B,), -1, device=logits.device)
-        elif input_ids is not None:  # the rightmost token that is not padding: left or right padded rows
+        last = torch.full((B,), -1, device=logits.device)  # each row's last position (B,)
+        if pad is not None and input_ids is not None:  # the rightmost token that is not padding (either side)
             t = torch.arange(input_ids.shape[-1], device=logits.device)
-            last = (t * (input_ids.to(logits.device) != pad)).argmax(-1)  # (B,)
-        else:
-            last = torch.full((B,), -1, device=logits.device)
+            last = (t * (input_ids.to(logits.device) != pad)).argmax(-1)
+        elif pad is not None:
             logger.warning_once(f"{type(self).__name__} will not detect padding tokens in `inputs_embeds`: "
                                 "each row's score is read at its last position")
         pooled = logits[torch.arange(B, device=logits.device), last]  # (B, L)
@@ -118,7 +117,6 @@ class HybridNormForTokenClassification(_HeadModel):
 
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
-        self._drop_lm_head()
         self.num_labels = config.num_labels
         p = next((v for v in (getattr(config, "classifier_dropout", None), getattr(config, "hidden_dropout", None))
                   if v is not None), 0.1)
@@ -151,7 +149,6 @@ class HybridNormForQuestionAnswering(_HeadModel):
 
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
-        self._drop_lm_head()
         self.qa_outputs = torch.nn.Linear(config.hidden_size, 2)
         self.post_init()
 
