@@ -5,6 +5,7 @@ import torch
 
 import hybridnorm as hn
 from hybridnorm import ConfigError, ModelConfig
+from hybridnorm.config import RopeScaling
 from hybridnorm.train.config import TrainConfig
 
 # SCHEMES.md / paper Table 9 (embedding padded to 100352), in millions.
@@ -61,11 +62,32 @@ def test_custom_placement_round_trips_and_builds():
         (dict(moe=dict(num_experts=4, top_k=5)), r"model\.moe\.top_k=5 must be <= num_experts=4"),
         (dict(moe=dict(num_experts=4, topk=2)), r"moe: unknown field 'topk'"),
         (dict(d_modle=64), r"unknown field 'd_modle'; valid fields: .*d_model"),
+        (dict(rope_scaling=dict(type="ntk", factor=2.0)),
+         r"model\.rope_scaling\.type='ntk' is not one of 'linear', 'llama3', 'yarn'"),
+        (dict(rope_scaling=dict(type="yarn")),
+         r"model\.rope_scaling\.factor is required with model\.rope_scaling\.type"),
+        (dict(rope_scaling=dict(type="linear", factor=0.5)), r"model\.rope_scaling\.factor=0\.5 must be >= 1"),
+        (dict(rope_scaling=dict(type="linear", factor=2.0, beta_fast=8.0)),
+         r"model\.rope_scaling\.beta_fast=8\.0 does nothing with model\.rope_scaling\.type='linear', "
+         r"which reads factor"),
+        (dict(rope_scaling=dict(type="yarn", factor=2.0, beta=8.0)), r"rope_scaling: unknown field 'beta'"),
     ],
 )
 def test_bad_config_names_the_field(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         ModelConfig.from_preset("tiny", **overrides)
+
+
+def test_rope_scaling_from_train_overrides_round_trips_and_builds(tmp_path):
+    """As a user types it: ``--model.rope_scaling.*`` overrides build the section, save, load and build."""
+    cfg = TrainConfig.from_data({}, ["--model.rope_scaling.type=yarn", "--model.rope_scaling.factor=4",
+                                     "--model.rope_scaling.original_max_seq_len=32"])
+    assert cfg.model.rope_scaling == RopeScaling(type="yarn", factor=4.0, original_max_seq_len=32)
+    cfg.save(tmp_path / "c.yaml")
+    assert TrainConfig.load(tmp_path / "c.yaml").model.rope_scaling == cfg.model.rope_scaling
+    model = cfg.model.build()
+    plain = ModelConfig(**{**cfg.model.to_dict(), "rope_scaling": None}).build()
+    assert model.rope_cos.abs().max() > 1.0 >= plain.rope_cos.abs().max()  # YaRN's attention factor scales cos
 
 
 def test_unknown_size_lists_choices():

@@ -7,12 +7,13 @@ placement="hybridnorm")`` builds any of them with any placement. Every invalid v
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from hybridnorm import placements as _placements
-from hybridnorm.config_base import Config, bounded, check_fields
+from hybridnorm.config_base import Config, bounded, check_fields, show
 from hybridnorm.errors import ConfigError
 from hybridnorm.placements.spec import Placement
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from hybridnorm.nn.model import TransformerLM
 
 NORMS: tuple[str, ...] = ("rms", "layer", "dyt")
-__all__ = ["NORMS", "SIZES", "MoEConfig", "ModelConfig", "check_fields"]
+__all__ = ["NORMS", "SIZES", "MoEConfig", "ModelConfig", "RopeScaling", "check_fields"]
 
 
 @dataclass
@@ -38,6 +39,49 @@ class MoEConfig(Config):
     def check(self) -> None:
         if self.top_k > self.num_experts:
             raise ConfigError(f"{self.SECTION}.top_k={self.top_k} must be <= num_experts={self.num_experts}")
+
+
+@dataclass
+class RopeScaling(Config):
+    """RoPE's frequencies stretched to a context longer than pre-training's, as transformers'
+    ``rope_parameters`` name them (the equations: :func:`hybridnorm.nn.rope.inv_frequencies`). ``linear``:
+    Position Interpolation; ``llama3``: Llama 3.1's rule (slow wavelengths stretched, fast ones kept, a blend
+    between); ``yarn``: YaRN (the same by rotation count, and cos/sin scaled by ``attention_factor``)."""
+
+    SECTION: ClassVar[str] = "model.rope_scaling"
+    type: Literal["linear", "llama3", "yarn"] = "linear"
+    factor: float | None = bounded(None, ge=1)               # required: the context's stretch (new / original)
+    original_max_seq_len: int | None = bounded(None, ge=1)   # llama3, yarn: pre-training's context (None: max_seq_len)
+    low_freq_factor: float = bounded(1.0, gt=0)              # llama3
+    high_freq_factor: float = bounded(4.0, gt=0)             # llama3
+    beta_fast: float = bounded(32.0, gt=0)                   # yarn: rotations above which a pair is kept
+    beta_slow: float = bounded(1.0, gt=0)                    # yarn: rotations below which it is stretched
+    truncate: bool = True                                    # yarn: the ramp's ends rounded to whole pairs
+    attention_factor: float | None = bounded(None, gt=0)     # yarn: cos/sin scale (None: from factor, mscale)
+    mscale: float | None = bounded(None, gt=0)               # yarn (DeepSeek): attention_factor's numerator weight
+    mscale_all_dim: float | None = bounded(None, gt=0)       # yarn (DeepSeek): ... and its denominator's
+
+    # the fields each type reads; any other field set away from its default is refused (it would do nothing)
+    FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "linear": ("factor",),
+        "llama3": ("factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"),
+        "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "truncate", "attention_factor",
+                 "mscale", "mscale_all_dim"),
+    }
+
+    def check(self) -> None:
+        if self.factor is None:
+            raise ConfigError(f"{self.label('factor')} is required with {self.label('type')}={self.type!r} (the "
+                              "context's stretch, "
+                              "new length / pre-training's, e.g. 4.0)")
+        used = self.FIELDS[self.type]
+        for f in dataclasses.fields(self):
+            if f.name not in ("type", *used) and getattr(self, f.name) != f.default:
+                raise ConfigError(f"{self.label(f.name)}={show(getattr(self, f.name))} does nothing with "
+                                  f"{self.label('type')}={self.type!r}, which reads {', '.join(used)}")
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(f"{self.label('high_freq_factor')}={self.high_freq_factor:g} must be > "
+                              f"low_freq_factor={self.low_freq_factor:g}")
 
 
 @dataclass
@@ -62,6 +106,7 @@ class ModelConfig(Config):
     init_std: float | None = bounded(None, gt=0)      # None: 1/sqrt(2.5 d)
     pad_vocab_multiple: int = bounded(1, ge=1)        # embedding rows rounded up to a multiple of this
     moe: MoEConfig | None = None
+    rope_scaling: RopeScaling | None = None  # None: RoPE as pre-trained (rope_theta alone)
     fast_kernels: bool = True              # hand-written kernels (hybridnorm.nn.kernels); false: the plain math
 
     # -- derived ---------------------------------------------------------------------------------

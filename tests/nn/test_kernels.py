@@ -251,6 +251,7 @@ def _variant(scope: str, order: str) -> hn.placements.Placement:
     return hn.placements.get("hybridnorm").replace_blocks(qkv_norm_scope=scope, qkv_norm_order=order)
 
 
+_YARN = {"type": "yarn", "factor": 4.0, "original_max_seq_len": 4, "attention_factor": 1.3}
 VARIANTS = {  # what the fused Q/K/V path declines or must get right at its edges
     "QV-Post": ("QV-Post", {}),
     "full_scope": (_variant("full", "before_rope"), {}),
@@ -261,6 +262,10 @@ VARIANTS = {  # what the fused Q/K/V path declines or must get right at its edge
     "mqa": ("hybridnorm", {"n_kv_heads": 1}),
     "mha": ("KV-Post", {"n_kv_heads": 4}),
     "decoupled_head_dim": ("hybridnorm_star", {"attn_head_dim": 12}),
+    # stretched RoPE tables whose cos/sin are scaled past 1 (YaRN's attention_factor): a backward that assumed
+    # c² + s² = 1 would be off by that factor squared
+    "yarn_fused": ("hybridnorm_star", {"rope_scaling": _YARN}),
+    "yarn_after_rope": (_variant("head", "after_rope"), {"rope_scaling": _YARN}),
 }
 
 

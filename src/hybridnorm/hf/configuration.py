@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 from hybridnorm.config import ModelConfig
 from hybridnorm.errors import ConfigError
+from hybridnorm.hf.rope_parameters import from_rope_parameters, to_rope_parameters
 
 MODEL_TYPE = "hybridnorm"
 
@@ -59,6 +60,9 @@ class HybridNormConfig(PretrainedConfig):
     max_position_embeddings: int | None = None
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
+    # transformers' one dict for RoPE (hybridnorm.hf.rope_parameters): rope_type (default, linear, llama3, yarn),
+    # rope_theta and the type's keys; the truth for ModelConfig.rope_scaling, and rope_theta's other spelling
+    rope_parameters: dict | None = None
     initializer_range: float | None = None
     # The MoE fields (_MOE_FIELDS, and output_router_logits: as Mixtral's / OLMoE's, forward returns each layer's
     # router logits and the load-balancing loss) are no dataclass fields: they are attributes of an MoE config
@@ -75,6 +79,12 @@ class HybridNormConfig(PretrainedConfig):
     pad_token_id: int | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        legacy = kwargs.pop("rope_scaling", None)  # rope_parameters' older name (a config.json, a keyword)
+        if legacy is not None:
+            if self.rope_parameters is not None and self.rope_parameters != legacy:
+                raise ConfigError(f"rope_scaling={legacy!r} and rope_parameters={self.rope_parameters!r} are two "
+                                  "names of one setting and disagree: give rope_parameters only")
+            self.rope_parameters = dict(legacy)
         for name in MOE_ONLY:  # given (a keyword, a config.json): read by _sync, which keeps them on an MoE
             if name in kwargs:
                 setattr(self, name, kwargs.pop(name))
@@ -112,6 +122,10 @@ class HybridNormConfig(PretrainedConfig):
                               "experts) for an MoE FFN")
         if given:
             d["moe"] = {**(d.get("moe") or {}), **{_MOE_FIELDS[k]: v for k, v in given.items()}}
+        if self.rope_parameters is not None:
+            theta, d["rope_scaling"] = from_rope_parameters(self.rope_parameters)
+            if theta is not None and theta != d.get("rope_theta", ModelConfig.rope_theta):
+                d["rope_theta"] = self._rope_theta_of_two(d.get("rope_theta", ModelConfig.rope_theta), theta)
         try:
             mc = ModelConfig.from_dict(d)
             if self.vocab_size is not None and self.vocab_size != mc.embedding_size:
@@ -132,6 +146,8 @@ class HybridNormConfig(PretrainedConfig):
         self.num_key_value_heads, self.head_dim = mc.kv_heads, mc.head_dim
         self.max_position_embeddings = mc.max_seq_len
         self.rms_norm_eps, self.rope_theta = mc.norm_eps, mc.rope_theta
+        self.rope_parameters = to_rope_parameters(mc)
+        vars(self)["_synced_rope_theta"] = mc.rope_theta  # what both spellings said last (_rope_theta_of_two)
         self.initializer_range = mc.init_std
         if mc.moe is not None:
             for hf_name, name in _MOE_FIELDS.items():
@@ -143,9 +159,25 @@ class HybridNormConfig(PretrainedConfig):
         self.placement = mc.resolved_placement().name
         self.tie_word_embeddings = mc.tie_embeddings
 
+    def _rope_theta_of_two(self, field: float, in_parameters: float) -> float:
+        """rope_theta and rope_parameters["rope_theta"] disagree: the one set since they last agreed wins (a
+        ``from_pretrained(..., rope_theta=...)`` or ``config.rope_parameters = {...}``); both, or both given
+        at once: an error."""
+        last = vars(self).get("_synced_rope_theta")
+        if last is not None and in_parameters == last:
+            return field
+        if last is not None and field == last:
+            return in_parameters
+        if last is None and self.rope_theta is None:
+            return in_parameters
+        raise ConfigError(f"rope_theta={field:g} and rope_parameters['rope_theta']={in_parameters:g} are two names "
+                          "of one setting and disagree: set one")
+
     def to_dict(self) -> dict[str, Any]:
         self._sync()  # a size changed after construction (resize_token_embeddings) reaches the dict too
-        return super().to_dict()
+        out = super().to_dict()
+        out.pop("_synced_rope_theta", None)
+        return out
 
     @classmethod
     def from_model_config(cls, mc: ModelConfig, **kwargs: Any) -> HybridNormConfig:

@@ -34,6 +34,7 @@ from torch import Tensor
 from hybridnorm import placements
 from hybridnorm.config import ModelConfig, MoEConfig
 from hybridnorm.errors import ConfigError
+from hybridnorm.hf.rope_parameters import from_rope_parameters, to_rope_parameters
 from hybridnorm.placements.spec import BlockSpec, Placement, SublayerSpec
 
 PRE = SublayerSpec(in_norm=True, skip="input")
@@ -133,7 +134,7 @@ def to_hf_config_kwargs(mc: ModelConfig, arch: StockArch, eos_token_id: int | No
         num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads, num_key_value_heads=mc.kv_heads,
         max_position_embeddings=mc.max_seq_len, rms_norm_eps=mc.norm_eps, hidden_act="silu",
         tie_word_embeddings=mc.tie_embeddings, attention_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": float(mc.rope_theta)})
+        rope_parameters=to_rope_parameters(mc))
     if arch.free_head_dim:
         kw["head_dim"] = mc.head_dim
     if arch.model_type == "llama":
@@ -173,9 +174,10 @@ def from_hf_config(cfg: Any) -> tuple[ModelConfig, StockArch]:
         raise ConfigError(f"{where}: clip_qkv={_get(cfg, 'clip_qkv')} is not supported")
     if _get(cfg, "use_sliding_window", False) or (arch.model_type == "mixtral" and _get(cfg, "sliding_window")):
         raise ConfigError(f"{where}: sliding-window attention is not supported")
-    rope = _get(cfg, "rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"{where}: rope_type={rope.get('rope_type')!r}; only the default RoPE is supported")
+    try:
+        theta, rope_scaling = from_rope_parameters(_get(cfg, "rope_parameters") or {})
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     d, heads = cfg.hidden_size, cfg.num_attention_heads
     head_dim = (_get(cfg, "head_dim") if arch.free_head_dim else None) or d // heads
     moe = None
@@ -193,7 +195,7 @@ def from_hf_config(cfg: Any) -> tuple[ModelConfig, StockArch]:
         vocab_size=cfg.vocab_size, d_model=d, n_layers=cfg.num_hidden_layers, n_heads=heads,
         n_kv_heads=_get(cfg, "num_key_value_heads") or heads, ffn_hidden_size=ffn,
         attn_head_dim=None if head_dim * heads == d else head_dim,
-        max_seq_len=cfg.max_position_embeddings, rope_theta=float(rope.get("rope_theta", 10000.0)),
+        max_seq_len=cfg.max_position_embeddings, rope_theta=theta or 10000.0, rope_scaling=rope_scaling,
         tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), placement=arch.placement.to_dict(),
         norm="rms", norm_eps=float(cfg.rms_norm_eps), init="normal", moe=moe)
     return mc, arch

@@ -58,7 +58,7 @@ class TransformerLM(nn.Module):
         the weights, so a loader that builds the model on the meta device calls this after loading."""
         c = self.config
         device = self.embed.weight.device if device is None else device
-        cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)
+        cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_scaling)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def reset_parameters(self) -> None:

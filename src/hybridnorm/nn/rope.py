@@ -5,20 +5,72 @@ For x = [x1 | x2] (the two halves of the head dim) at position t, with c = cos(t
     rope(x) = [x1·c − x2·s | x2·c + x1·s]
 
 :func:`apply_rope` is that line; its fast twin (``ModelConfig.fast_kernels``) is
-:func:`hybridnorm.nn.kernels.rope`.
+:func:`hybridnorm.nn.kernels.rope`. θ of pair i is ``rope_theta ** (-2i / D)``, or that stretched for a
+longer context (``ModelConfig.rope_scaling``, :func:`inv_frequencies`).
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+def inv_frequencies(head_dim: int, theta: float, scaling: Any = None,
+                    max_len: int | None = None) -> tuple[Tensor, float]:
+    """θ of each pair of dims (head_dim // 2,), float64, and the factor cos and sin are multiplied by
+    (1 but for YaRN). ``scaling``: a :class:`hybridnorm.config.RopeScaling` (not imported: nn sits below the
+    config) or None; ``max_len``: the model's context, pre-training's where ``original_max_seq_len`` is unset."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (D/2,)
+    if scaling is None:
+        return inv_freq, 1.0
+    factor = scaling.factor
+    if scaling.type == "linear":  # Position Interpolation (arXiv 2306.15595): every angle shrunk by the factor
+        return inv_freq / factor, 1.0
+    original = scaling.original_max_seq_len or max_len
+    if original is None:
+        raise ValueError(f"rope_scaling type {scaling.type!r} needs original_max_seq_len or max_len")
+    if scaling.type == "llama3":
+        # Llama 3.1: a pair turning fewer than low_freq_factor times over the original context is stretched by the
+        # factor, one turning more than high_freq_factor times is kept, and the ones between are blended linearly
+        turns = original * inv_freq / (2 * math.pi)  # (D/2,) turns over the original context
+        keep = ((turns - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+        return keep * inv_freq + (1 - keep) * inv_freq / factor, 1.0
+
+    # YaRN (arXiv 2309.00071): the same blend by turns, with its ends at beta_fast and beta_slow turns located as
+    # (fractional) pair indices, then cos and sin scaled up by attention_factor (their §3.4 "temperature")
+    def pair_of(turns: float) -> float:
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = pair_of(scaling.beta_fast), pair_of(scaling.beta_slow)
+    if scaling.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if lo == hi:
+        hi += 0.001  # as the reference code: a ramp of one pair
+    stretch = ((torch.arange(head_dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)  # (D/2,)
+    inv_freq = stretch * inv_freq / factor + (1 - stretch) * inv_freq
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, scaling: Any = None) -> tuple[Tensor, Tensor]:
     """cos and sin of shape (max_len, head_dim // 2), fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    inv_freq, attention_factor = inv_frequencies(head_dim, theta, scaling, max_len)  # (D/2,)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (max_len, D/2)
+    # in place: the peak stays the one train.preflight.rope_bytes counts
+    return angles.cos().mul_(attention_factor).float(), angles.sin().mul_(attention_factor).float()
 
 
 def rope_cos_sin(cos: Tensor, sin: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,237 @@
+"""RoPE scaling (``ModelConfig.rope_scaling``, transformers' ``rope_parameters``: linear, llama3, yarn)
+against transformers' own implementation: its frequency functions (``ROPE_INIT_FUNCTIONS``), and stock
+Llama / Qwen3 / OLMo-2 models with the same weights, at positions past the pre-training context where the
+scaling changes every logit. Also: the HF config carries it both ways, ``from_pretrained(...,
+rope_parameters=...)`` takes effect, generation with a cache agrees, and every type or key it cannot run
+is one error naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
+from hybridnorm import ConfigError, ModelConfig, TransformerLM
+from hybridnorm.config import RopeScaling
+from hybridnorm.data.tokenizer import ByteTokenizer
+from hybridnorm.hf import stock
+from hybridnorm.hf.export import export_model, load_hf
+from hybridnorm.hf.rope_parameters import to_rope_parameters
+from hybridnorm.nn.rope import inv_frequencies
+
+TOL = 1e-5
+ORIGINAL = 16  # the "pre-training" context of the tiny models; they run 64 positions, 4x past it
+SCALINGS = {
+    "linear": dict(type="linear", factor=4.0),
+    "llama3": dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=ORIGINAL),
+    "yarn": dict(type="yarn", factor=4.0, original_max_seq_len=ORIGINAL),
+    "yarn-untruncated": dict(type="yarn", factor=4.0, original_max_seq_len=ORIGINAL, beta_fast=16.0, beta_slow=0.5,
+                             truncate=False),
+    "yarn-mscale": dict(type="yarn", factor=4.0, original_max_seq_len=ORIGINAL, mscale=0.707, mscale_all_dim=0.5),
+    "yarn-attention-factor": dict(type="yarn", factor=4.0, original_max_seq_len=ORIGINAL, attention_factor=1.3),
+}
+# real checkpoints' settings: (head_dim, rope_theta, max_seq_len, scaling)
+REAL = {
+    "llama-3.1": (128, 500_000.0, 131_072, dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                original_max_seq_len=8192)),
+    "qwen2.5-yarn": (128, 1_000_000.0, 131_072, dict(type="yarn", factor=4.0, original_max_seq_len=32_768)),
+    "gpt-oss": (64, 150_000.0, 131_072, dict(type="yarn", factor=32.0, original_max_seq_len=4096, beta_fast=32.0,
+                                             beta_slow=1.0, truncate=False)),
+    "deepseek-v3": (64, 10_000.0, 163_840, dict(type="yarn", factor=40.0, original_max_seq_len=4096, mscale=1.0,
+                                                mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0)),
+    "linear-x2": (64, 10_000.0, 8192, dict(type="linear", factor=2.0)),
+}
+
+
+def tiny(placement: str = "pre", scaling: dict | None = None, head_dim: int | None = None, **kw) -> ModelConfig:
+    return ModelConfig(**{**dict(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=48,
+                                 max_seq_len=64, rope_theta=10_000.0, placement=placement, attn_head_dim=head_dim,
+                                 rope_scaling=scaling), **kw})
+
+
+def randomized(mc: ModelConfig, seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    model = TransformerLM(mc).eval()
+    with torch.no_grad():  # norm gains start at 1, which would hide a swapped or missing norm
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def ids(batch: int = 2, T: int = 64) -> torch.Tensor:
+    return torch.randint(0, 257, (batch, T), generator=torch.Generator().manual_seed(1))
+
+
+def transformers_frequencies(head_dim: int, theta: float, max_len: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    mc = ModelConfig(d_model=head_dim * 4, n_heads=4, max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling)
+    cfg = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_len,
+                                   rope_parameters=to_rope_parameters(mc))
+    return ROPE_INIT_FUNCTIONS[scaling["type"]](cfg, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", [*SCALINGS, *REAL])
+def test_frequencies_equal_transformers_own(case: str) -> None:
+    head_dim, theta, max_len, scaling = REAL.get(case, (8, 10_000.0, 64, SCALINGS.get(case)))
+    ours, ours_factor = inv_frequencies(head_dim, theta, RopeScaling.from_dict(scaling), max_len)
+    theirs, their_factor = transformers_frequencies(head_dim, theta, max_len, scaling)
+    plain, _ = inv_frequencies(head_dim, theta)
+    assert not torch.allclose(ours, plain)  # the scaling changed something
+    torch.testing.assert_close(ours.float(), theirs, rtol=1e-6, atol=0)  # theirs is float32
+    assert ours_factor == pytest.approx(their_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize(("placement", "class_name", "case", "head_dim"), [
+    ("pre", "LlamaForCausalLM", "linear", None),
+    ("pre", "LlamaForCausalLM", "llama3", None),
+    ("pre", "LlamaForCausalLM", "yarn", 16),
+    ("qk_norm", "Qwen3ForCausalLM", "yarn-untruncated", 16),
+    ("qk_norm", "Qwen3ForCausalLM", "yarn-mscale", None),
+    ("olmo2", "Olmo2ForCausalLM", "yarn-attention-factor", None),
+    ("olmo2", "Olmo2ForCausalLM", "llama3", None),
+])
+def test_export_to_stock_class_matches_past_the_original_context(tmp_path: Path, placement: str, class_name: str,
+                                                                  case: str, head_dim: int | None) -> None:
+    ours = randomized(tiny(placement, SCALINGS[case], head_dim))
+    result = export_model(ours, tmp_path / "hf", ByteTokenizer())
+    assert (result.class_name, result.stock) == (class_name, True)
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"]
+    assert saved["rope_type"] == SCALINGS[case]["type"]
+    theirs = getattr(transformers, class_name).from_pretrained(tmp_path / "hf").eval()
+    plain = getattr(transformers, class_name).from_pretrained(
+        tmp_path / "hf", rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}).eval()
+    with torch.no_grad():
+        logits = ours(ids())
+        assert (theirs(ids()).logits - logits).abs().max().item() <= TOL
+        # the control: unscaled RoPE gives other logits on these positions, so the line above could fail
+        assert (plain(ids()).logits - logits).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize(("class_name", "case"), [("LlamaForCausalLM", "llama3"), ("Qwen3ForCausalLM", "yarn")])
+def test_import_from_a_stock_folder_with_scaled_rope(tmp_path: Path, class_name: str, case: str) -> None:
+    """A Llama 3.1-style / Qwen2.5-style folder made by transformers imports with its scaling (before:
+    refused), and the logits are the stock model's."""
+    arch = next(a for a in stock.ARCHS if a.class_name == class_name)
+    placement = "qk_norm" if class_name.startswith("Qwen3") else "pre"
+    kwargs = stock.to_hf_config_kwargs(tiny(placement, tie_embeddings=False), arch, eos_token_id=256)
+    rope = {"rope_type": SCALINGS[case]["type"], "rope_theta": 10_000.0, "factor": SCALINGS[case]["factor"],
+            "original_max_position_embeddings": ORIGINAL}
+    if case == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    kwargs["rope_parameters"] = rope
+    torch.manual_seed(0)
+    theirs = getattr(transformers, class_name)(stock.stock_config_class(arch)(**kwargs)).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    ours, _ = load_hf(tmp_path / "hf")
+    assert ours.config.rope_scaling == RopeScaling.from_dict({**SCALINGS[case], "original_max_seq_len": ORIGINAL})
+    with torch.no_grad():
+        assert (ours(ids()) - theirs(ids()).logits).abs().max().item() <= TOL
+
+
+def _our_folder(tmp_path: Path, scaling: dict | None) -> tuple[Path, TransformerLM]:
+    ours = randomized(tiny("hybridnorm_star", scaling))
+    export_model(ours, tmp_path / "hf", ByteTokenizer())
+    return tmp_path / "hf", ours
+
+
+def test_our_class_carries_the_scaling_and_generates_with_a_cache(tmp_path: Path) -> None:
+    folder, ours = _our_folder(tmp_path, SCALINGS["yarn"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(hf).__name__ == "HybridNormForCausalLM"
+    assert hf.config.rope_parameters["rope_type"] == "yarn"
+    with torch.no_grad():
+        assert (hf(ids()).logits - ours(ids())).abs().max().item() <= TOL
+    prompt = ids(1, 20)  # decodes positions 20..59, past the original 16
+    cached = hf.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    uncached = hf.generate(prompt, max_new_tokens=40, min_new_tokens=40, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, ours.generate(prompt, 40, temperature=0))
+    hf.save_pretrained(tmp_path / "again")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids()).logits, hf(ids()).logits)
+
+
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
+def test_from_pretrained_with_rope_parameters_extends_the_context(tmp_path: Path, spelling: str) -> None:
+    """The way a user stretches a trained model: ``from_pretrained(folder, rope_parameters=...,
+    max_position_embeddings=...)`` (or the older ``rope_scaling=``) gives the model built with that scaling
+    from the start, not the folder's plain RoPE."""
+    folder, plain = _our_folder(tmp_path, None)
+    rope = {"rope_type": "linear", "factor": 4.0}
+    kw = {spelling: rope if spelling == "rope_parameters" else {"type": "linear", "factor": 4.0}}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, max_position_embeddings=256, **kw).eval()
+    stretched = TransformerLM(tiny("hybridnorm_star", SCALINGS["linear"], max_seq_len=256)).eval()
+    stretched.load_state_dict(plain.state_dict())
+    long = torch.randint(0, 257, (1, 200), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (hf(long).logits - stretched(long)).abs().max().item() <= TOL
+        assert (hf(ids()).logits - plain(ids())).abs().max().item() > 1e-3
+    # and a rope_theta given the same way still counts (the other spelling of rope_parameters' theta)
+    theta = transformers.AutoModelForCausalLM.from_pretrained(folder, rope_theta=1000.0)
+    assert theta.model.config.rope_theta == 1000.0 and theta.config.rope_parameters["rope_theta"] == 1000.0
+
+
+@pytest.mark.parametrize(("rope", "message"), [
+    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_parameters.rope_type='dynamic' is not supported \(dynamic NTK"),
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, r"rope_type='longrope' is not supported"),
+    ({"rope_type": "ntk", "factor": 2.0}, r"valid: 'default', 'linear', 'llama3', 'yarn'"),
+    ({"rope_type": "linear"}, r"rope_parameters.factor is required with rope_parameters.rope_type='linear'"),
+    ({"rope_type": "linear", "factor": 0.5}, r"rope_parameters.factor=0.5 must be >= 1"),
+    ({"rope_type": "linear", "factor": 2.0, "beta_fast": 8}, r"rope_parameters.beta_fast=8 does nothing with "
+                                                             r"rope_type='linear', which reads factor"),
+    ({"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+     r"rope_parameters.high_freq_factor=1 must be > low_freq_factor=4"),
+    ({"rope_type": "yarn", "factor": "four"}, r"rope_parameters.factor='four' must be"),
+    ({"rope_type": "default", "rope_theta": -1}, r"rope_parameters.rope_theta=-1 must be a number > 0"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5: RoPE on part of a head"),
+    ({"full_attention": {"rope_type": "default"}}, r"one RoPE per layer type \(full_attention\) is not supported"),
+])
+def test_what_cannot_run_is_one_error_naming_the_key(tmp_path: Path, rope: dict, message: str) -> None:
+    folder, _ = _our_folder(tmp_path, None)
+    with pytest.raises(ConfigError, match=message):
+        transformers.AutoModelForCausalLM.from_pretrained(folder, rope_parameters=rope)
+    # the same dict in a stock Llama folder is refused by the importer, naming the folder's type
+    kwargs = stock.to_hf_config_kwargs(tiny("pre"), stock.BY_TYPE["llama"], eos_token_id=256)
+    cfg = transformers.LlamaConfig(**kwargs)
+    cfg.rope_parameters = rope
+    with pytest.raises(ConfigError, match=r"llama config: .*" + message):
+        stock.from_hf_config(cfg)
+
+
+def test_two_spellings_of_rope_theta_that_disagree_are_refused() -> None:
+    from hybridnorm.hf import HybridNormConfig
+
+    kw = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=64)
+    with pytest.raises(ConfigError, match=r"rope_theta=10000 and rope_parameters\['rope_theta'\]=20000 .* disagree"):
+        HybridNormConfig(**kw, rope_theta=10_000.0, rope_parameters={"rope_type": "default", "rope_theta": 20_000.0})
+    with pytest.raises(ConfigError, match=r"rope_scaling=.* and rope_parameters=.* disagree"):
+        HybridNormConfig(**kw, rope_scaling={"type": "linear", "factor": 2.0},
+                         rope_parameters={"rope_type": "linear", "factor": 3.0})
+    # set one after the other: the later one wins, and both read the same afterwards
+    cfg = HybridNormConfig(**kw)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 777.0}
+    assert cfg.model_config().rope_theta == 777.0 and cfg.to_dict()["rope_theta"] == 777.0
+    cfg.rope_theta = 555.0
+    assert cfg.model_config().rope_theta == 555.0 and cfg.to_dict()["rope_parameters"]["rope_theta"] == 555.0
+    assert "_synced_rope_theta" not in cfg.to_json_string()
+
+
+def test_an_export_from_before_rope_parameters_loads_unscaled(tmp_path: Path) -> None:
+    folder, ours = _our_folder(tmp_path, None)
+    path = folder / "config.json"
+    d = json.loads(path.read_text())
+    d.pop("rope_parameters")
+    d["hybridnorm"].pop("rope_scaling")
+    path.write_text(json.dumps(d))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert hf.model.config.rope_scaling is None
+    with torch.no_grad():
+        assert torch.equal(hf(ids()).logits, ours(ids()))
