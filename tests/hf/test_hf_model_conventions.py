@@ -7,6 +7,7 @@ gradients, and a bad standard field is refused under the name the caller gave it
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -205,6 +206,36 @@ def test_bad_moe_fields_are_refused_by_name_never_built_dense(kwargs: dict, name
     with pytest.raises(ConfigError) as err:
         config(**kwargs)
     assert names in str(err.value)
+
+
+@pytest.mark.parametrize(("kwargs", "names"), [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported: the FFN is SwiGLU, whose gate is silu (only 'silu')"),
+    ({"attention_bias": True}, "attention_bias=True is not supported: the attention projections have no bias"),
+    ({"mlp_bias": True}, "mlp_bias=True is not supported: the FFN projections have no bias"),
+    ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+    ({"sliding_window": 8}, "sliding_window=8 is not supported: every layer attends to the whole context"),
+])
+def test_another_architectures_field_that_would_change_the_function_is_refused(tmp_path: Path, kwargs: dict,
+                                                                                names: str) -> None:
+    """A Llama/Mistral/Qwen config's fields given to our class (a keyword, a config.json edited or built
+    from another model's dict) were kept as attributes and ignored: a "gelu" model ran SwiGLU. Refused by
+    name: at construction and from a folder's config.json."""
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ConfigError) as err:
+        config(**kwargs)
+    assert names in str(err.value)
+    HybridNormForCausalLM(config()).save_pretrained(tmp_path)
+    # a keyword the loaded config has no attribute for goes to the model class, which takes none (transformers'
+    # own rule, stock Llama alike): a TypeError naming it, never a model built without it
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(kwargs))}'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **kwargs}))
+    with pytest.raises(ConfigError, match=names.split(" is ")[0]):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    # the values that fit, or a window switched off (as Qwen3's configs carry one), are fine
+    config(hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False, sliding_window=4096)
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer", "dyt"])

@@ -35,6 +35,13 @@ _MOE_FIELDS = {"num_experts": "num_experts", "num_experts_per_tok": "top_k",
                "moe_intermediate_size": "expert_hidden_size", "norm_topk_prob": "normalize_topk",
                "router_aux_loss_coef": "lb_loss_weight", "router_z_loss_coef": "z_loss_weight"}
 MOE_ONLY = (*_MOE_FIELDS, "output_router_logits")  # attributes of an MoE config only
+# Other model types' fields that a config of ours may carry (a Llama or Qwen3 config's dict given to this class,
+# a keyword) and that would change the function if honoured: anything but the value our model computes is refused
+# rather than ignored. (name, the one value that fits, what the model does)
+_FIXED = (("hidden_act", "silu", "the FFN is SwiGLU, whose gate is silu"),
+          ("attention_bias", False, "the attention projections have no bias"),
+          ("mlp_bias", False, "the FFN projections have no bias"),
+          ("use_sliding_window", False, "every layer attends to the whole context (no sliding window)"))
 _HF_NAME = {name: hf_name for hf_name, name in _STANDARD_FIELDS.items() if hf_name != name} | {
     f"moe.{name}": hf_name for hf_name, name in _MOE_FIELDS.items()} | {"tie_embeddings": "tie_word_embeddings"}
 
@@ -95,6 +102,7 @@ class HybridNormConfig(PretrainedConfig):
             self.tie_word_embeddings = None
         self._sync()
         super().__post_init__(**kwargs)
+        _check_fixed(self)  # the keywords no field of ours names are attributes only from here on
 
     @classmethod
     def register_for_auto_class(cls, auto_class: Any = "AutoConfig") -> None:
@@ -104,6 +112,7 @@ class HybridNormConfig(PretrainedConfig):
     def model_config(self) -> ModelConfig:
         """The ModelConfig this config describes: the ``hybridnorm`` dict with the standard size fields
         applied, the placement resolved to a dict (self-contained). Raises ConfigError naming a bad field."""
+        _check_fixed(self)
         if self.hybridnorm is not None and not isinstance(self.hybridnorm, dict):
             raise ConfigError(f"hybridnorm must be a dict of hybridnorm.ModelConfig fields (model.*), got "
                               f"{type(self.hybridnorm).__name__}")
@@ -182,6 +191,15 @@ class HybridNormConfig(PretrainedConfig):
     @classmethod
     def from_model_config(cls, mc: ModelConfig, **kwargs: Any) -> HybridNormConfig:
         return cls(hybridnorm=mc.to_dict(), **kwargs)
+
+
+def _check_fixed(cfg: PretrainedConfig) -> None:
+    for name, fits, why in _FIXED:
+        if getattr(cfg, name, fits) not in (fits, None):
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} is not supported: {why} (only {fits!r})")
+    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        raise ConfigError(f"sliding_window={cfg.sliding_window!r} is not supported: every layer attends to the "
+                          "whole context (only null)")
 
 
 def _both_names(m: re.Match) -> str:
