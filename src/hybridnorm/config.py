@@ -45,11 +45,13 @@ class MoEConfig(Config):
 class RopeScaling(Config):
     """RoPE's frequencies stretched to a context longer than pre-training's, as transformers'
     ``rope_parameters`` name them (the equations: :func:`hybridnorm.nn.rope.inv_frequencies`). ``linear``:
-    Position Interpolation; ``llama3``: Llama 3.1's rule (slow wavelengths stretched, fast ones kept, a blend
-    between); ``yarn``: YaRN (the same by rotation count, and cos/sin scaled by ``attention_factor``)."""
+    Position Interpolation; ``dynamic``: dynamic NTK (unchanged up to ``max_seq_len``; past it, which only the HF
+    classes reach, the base grows with the longest position of each call); ``llama3``: Llama 3.1's rule (slow
+    wavelengths stretched, fast ones kept, a blend between); ``yarn``: YaRN (the same by rotation count, and
+    cos/sin scaled by ``attention_factor``)."""
 
     SECTION: ClassVar[str] = "model.rope_scaling"
-    type: Literal["linear", "llama3", "yarn"] = "linear"
+    type: Literal["linear", "dynamic", "llama3", "yarn"] = "linear"
     factor: float | None = bounded(None, ge=1)               # required: the context's stretch (new / original)
     original_max_seq_len: int | None = bounded(None, ge=1)   # llama3, yarn: pre-training's context (None: max_seq_len)
     low_freq_factor: float = bounded(1.0, gt=0)              # llama3
@@ -64,6 +66,7 @@ class RopeScaling(Config):
     # the fields each type reads; any other field set away from its default is refused (it would do nothing)
     FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
         "linear": ("factor",),
+        "dynamic": ("factor",),
         "llama3": ("factor", "original_max_seq_len", "low_freq_factor", "high_freq_factor"),
         "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "truncate", "attention_factor",
                  "mscale", "mscale_all_dim"),

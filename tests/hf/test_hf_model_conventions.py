@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,8 @@ def test_bad_moe_fields_are_refused_by_name_never_built_dense(kwargs: dict, name
     ({"mlp_bias": True}, "mlp_bias=True is not supported: the FFN projections have no bias"),
     ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
     ({"sliding_window": 8}, "sliding_window=8 is not supported: every layer attends to the whole context"),
+    ({"attention_dropout": 1.5}, "attention_dropout=1.5 must be a number in [0, 1)"),
+    ({"attention_dropout": "high"}, "attention_dropout='high' must be a number in [0, 1)"),
 ])
 def test_another_architectures_field_that_would_change_the_function_is_refused(tmp_path: Path, kwargs: dict,
                                                                                 names: str) -> None:
@@ -228,14 +231,35 @@ def test_another_architectures_field_that_would_change_the_function_is_refused(t
     HybridNormForCausalLM(config()).save_pretrained(tmp_path)
     # a keyword the loaded config has no attribute for goes to the model class, which takes none (transformers'
     # own rule, stock Llama alike): a TypeError naming it, never a model built without it
-    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(kwargs))}'"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs)
+    if "attention_dropout" not in kwargs:  # a field of ours: set on the loaded config, then checked at build
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(kwargs))}'"):
+            AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs)
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **kwargs}))
-    with pytest.raises(ConfigError, match=names.split(" is ")[0]):
+    with pytest.raises(ConfigError, match=re.escape(names)):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     # the values that fit, or a window switched off (as Qwen3's configs carry one), are fine
     config(hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False, sliding_window=4096)
+
+
+def test_a_placement_beside_the_dict_that_names_another_is_refused_not_ignored(tmp_path: Path) -> None:
+    """``placement`` only shows the ``hybridnorm`` dict's placement; edited in a config.json or given to
+    ``from_pretrained`` it used to be overwritten silently, the model built as the dict said."""
+    from transformers import AutoModelForCausalLM
+
+    HybridNormForCausalLM(config(hybridnorm={"placement": "hybridnorm_star"})).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"placement='post' is not the model's placement: hybridnorm.placement "
+                                          r"\('hybridnorm_star'\) is"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, placement="post")
+    with pytest.raises(ConfigError, match=r"placement='nonsense': placement 'nonsense' is not a preset"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, placement="nonsense")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "placement": "pre"}))
+    with pytest.raises(ConfigError, match=r"placement='pre' is not the model's placement"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    # another name of the same structure (the paper's grammar, a display name) is the same model
+    path.write_text(json.dumps({**json.loads(path.read_text()), "placement": "HybridNorm*"}))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.placement == "hybridnorm_star"
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer", "dyt"])

@@ -1,4 +1,4 @@
-"""RoPE scaling (``ModelConfig.rope_scaling``, transformers' ``rope_parameters``: linear, llama3, yarn)
+"""RoPE scaling (``ModelConfig.rope_scaling``, transformers' ``rope_parameters``: linear, dynamic, llama3, yarn)
 against transformers' own implementation: its frequency functions (``ROPE_INIT_FUNCTIONS``), and stock
 Llama / Qwen3 / OLMo-2 models with the same weights, at positions past the pre-training context where the
 scaling changes every logit. Also: the HF config carries it both ways, ``from_pretrained(...,
@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
+import hybridnorm.hf  # registers the Auto classes
 from hybridnorm import ConfigError, ModelConfig, TransformerLM
 from hybridnorm.config import RopeScaling
 from hybridnorm.data.tokenizer import ByteTokenizer
@@ -30,6 +30,7 @@ TOL = 1e-5
 ORIGINAL = 16  # the "pre-training" context of the tiny models; they run 64 positions, 4x past it
 SCALINGS = {
     "linear": dict(type="linear", factor=4.0),
+    "dynamic": dict(type="dynamic", factor=4.0),
     "llama3": dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=ORIGINAL),
     "yarn": dict(type="yarn", factor=4.0, original_max_seq_len=ORIGINAL),
     "yarn-untruncated": dict(type="yarn", factor=4.0, original_max_seq_len=ORIGINAL, beta_fast=16.0, beta_slow=0.5,
@@ -70,20 +71,22 @@ def ids(batch: int = 2, T: int = 64) -> torch.Tensor:
     return torch.randint(0, 257, (batch, T), generator=torch.Generator().manual_seed(1))
 
 
-def transformers_frequencies(head_dim: int, theta: float, max_len: int, scaling: dict) -> tuple[torch.Tensor, float]:
+def transformers_frequencies(head_dim: int, theta: float, max_len: int, scaling: dict,
+                             seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     mc = ModelConfig(d_model=head_dim * 4, n_heads=4, max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling)
     cfg = transformers.LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, max_position_embeddings=max_len,
                                    rope_parameters=to_rope_parameters(mc))
-    return ROPE_INIT_FUNCTIONS[scaling["type"]](cfg, torch.device("cpu"))
+    return ROPE_INIT_FUNCTIONS[scaling["type"]](cfg, torch.device("cpu"), seq_len=seq_len)
 
 
-@pytest.mark.parametrize("case", [*SCALINGS, *REAL])
+@pytest.mark.parametrize("case", [*SCALINGS, *REAL, "dynamic-at-4x"])
 def test_frequencies_equal_transformers_own(case: str) -> None:
-    head_dim, theta, max_len, scaling = REAL.get(case, (8, 10_000.0, 64, SCALINGS.get(case)))
-    ours, ours_factor = inv_frequencies(head_dim, theta, RopeScaling.from_dict(scaling), max_len)
-    theirs, their_factor = transformers_frequencies(head_dim, theta, max_len, scaling)
+    head_dim, theta, max_len, scaling = REAL.get(case, (8, 10_000.0, 64, SCALINGS.get(case, SCALINGS["dynamic"])))
+    seq_len = 256 if case == "dynamic-at-4x" else None  # dynamic NTK changes nothing up to max_len
+    ours, ours_factor = inv_frequencies(head_dim, theta, RopeScaling.from_dict(scaling), max_len, seq_len)
+    theirs, their_factor = transformers_frequencies(head_dim, theta, max_len, scaling, seq_len)
     plain, _ = inv_frequencies(head_dim, theta)
-    assert not torch.allclose(ours, plain)  # the scaling changed something
+    assert torch.allclose(ours, plain) == (case == "dynamic")  # the scaling changed something (dynamic: not yet)
     torch.testing.assert_close(ours.float(), theirs, rtol=1e-6, atol=0)  # theirs is float32
     assert ours_factor == pytest.approx(their_factor, rel=1e-12)
 
@@ -180,9 +183,9 @@ def test_from_pretrained_with_rope_parameters_extends_the_context(tmp_path: Path
 
 
 @pytest.mark.parametrize(("rope", "message"), [
-    ({"rope_type": "dynamic", "factor": 2.0}, r"rope_parameters.rope_type='dynamic' is not supported \(dynamic NTK"),
-    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, r"rope_type='longrope' is not supported"),
-    ({"rope_type": "ntk", "factor": 2.0}, r"valid: 'default', 'linear', 'llama3', 'yarn'"),
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+     r"rope_parameters.rope_type='longrope' is not supported \(LongRoPE's two frequency sets"),
+    ({"rope_type": "ntk", "factor": 2.0}, r"valid: 'default', 'linear', 'dynamic', 'llama3', 'yarn'"),
     ({"rope_type": "linear"}, r"rope_parameters.factor is required with rope_parameters.rope_type='linear'"),
     ({"rope_type": "linear", "factor": 0.5}, r"rope_parameters.factor=0.5 must be >= 1"),
     ({"rope_type": "linear", "factor": 2.0, "beta_fast": 8}, r"rope_parameters.beta_fast=8 does nothing with "
@@ -235,3 +238,55 @@ def test_an_export_from_before_rope_parameters_loads_unscaled(tmp_path: Path) ->
     assert hf.model.config.rope_scaling is None
     with torch.no_grad():
         assert torch.equal(hf(ids()).logits, ours(ids()))
+
+
+@pytest.mark.parametrize("case", [None, "linear", "dynamic", "yarn"])
+def test_past_max_position_embeddings_as_stock_llama(tmp_path: Path, case: str | None) -> None:
+    """transformers' models take positions past ``max_position_embeddings`` (the number is the context the
+    model was made for, not a limit), and dynamic NTK only changes anything there: so do our HF classes
+    (``TransformerLM`` alone still refuses, below). Forward of 3x the context and greedy decoding from 20 to
+    100 tokens with a KV cache equal stock Llama's with the same weights (dynamic NTK stretches the base at
+    every step as the sequence grows, in both)."""
+    mc = tiny("pre", SCALINGS[case] if case else None, max_seq_len=32)
+    ours = randomized(mc)
+    export_model(ours, tmp_path / "hf", ByteTokenizer())
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    mine = transformers.AutoModelForCausalLM.from_config(hybridnorm.hf.HybridNormConfig.from_model_config(mc)).eval()
+    mine.model.load_state_dict(ours.state_dict())
+    assert type(mine).__name__ == "HybridNormForCausalLM"
+    long = torch.randint(0, 257, (2, 96), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (mine(long).logits - theirs(long).logits).abs().max().item() <= TOL
+    prompt = long[:1, :20]
+    out = theirs.generate(prompt, max_new_tokens=80, min_new_tokens=80, do_sample=False)
+    assert torch.equal(mine.generate(prompt, max_new_tokens=80, min_new_tokens=80, do_sample=False), out)
+    with pytest.raises(ValueError, match="sequence of 96 tokens exceeds max_seq_len=32"):
+        ours(long)  # the training model keeps its limit
+
+
+@pytest.mark.parametrize("scaling_type", ["linear", "dynamic", "yarn"])
+def test_transformers_rope_scaling_from_config_contract(scaling_type: str) -> None:
+    """transformers' own ``test_model_rope_scaling_from_config``, on the backbone, step for step: a model
+    built with ``{"rope_type": "default", ..., "original_max_position_embeddings": 16384}`` and one with
+    ``{"rope_type": <type>, "factor": 10.0}`` set on the same config, the same seed: on 10 tokens dynamic
+    equals the default and the others differ; on 1.5x max_position_embeddings all differ."""
+    from hybridnorm.hf import HybridNormConfig, HybridNormModel
+
+    cfg = HybridNormConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=37, max_position_embeddings=512)
+    short = torch.randint(0, 99, (1, 10), generator=torch.Generator().manual_seed(0))
+    long = torch.randint(0, 99, (1, 768), generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for rope in ({"rope_type": "default", "rope_theta": 10_000.0, "original_max_position_embeddings": 16384},
+                 {"rope_type": scaling_type, "factor": 10.0, "rope_theta": 10_000.0}):
+        cfg.rope_parameters = {**cfg.rope_parameters, **rope}
+        transformers.set_seed(42)
+        model = HybridNormModel(cfg).eval()
+        with torch.no_grad():
+            outputs.append((model(short).last_hidden_state, model(long).last_hidden_state))
+    (short_a, long_a), (short_b, long_b) = outputs
+    if scaling_type == "dynamic":
+        torch.testing.assert_close(short_a, short_b, rtol=1e-5, atol=1e-5)
+    else:
+        assert not torch.allclose(short_a, short_b, atol=1e-5)
+    assert not torch.allclose(long_a, long_b, atol=1e-5)

@@ -142,6 +142,8 @@ class HybridNormConfig(PretrainedConfig):
                 mc = ModelConfig.from_dict({**d, "vocab_size": self.vocab_size, "pad_vocab_multiple": 1})
         except ConfigError as e:  # name the field as the caller of this class spelled it, too
             raise ConfigError(re.sub(r"\bmodel\.((?:moe\.)?\w+)", _both_names, str(e))) from None
+        if self.hybridnorm and self.placement is not None:
+            _check_placement_name(self.placement, mc)
         mc.placement = mc.resolved_placement().to_dict()
         return mc
 
@@ -194,12 +196,34 @@ class HybridNormConfig(PretrainedConfig):
 
 
 def _check_fixed(cfg: PretrainedConfig) -> None:
+    """Fields of ours that ModelConfig does not check, and other architectures' fields (_FIXED)."""
     for name, fits, why in _FIXED:
         if getattr(cfg, name, fits) not in (fits, None):
             raise ConfigError(f"{name}={getattr(cfg, name)!r} is not supported: {why} (only {fits!r})")
+    p = getattr(cfg, "attention_dropout", 0.0)  # read by each attention call in training
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise ConfigError(f"attention_dropout={p!r} must be a number in [0, 1)")
     if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
         raise ConfigError(f"sliding_window={cfg.sliding_window!r} is not supported: every layer attends to the "
                           "whole context (only null)")
+
+
+def _check_placement_name(name: Any, mc: ModelConfig) -> None:
+    """``placement`` beside a ``hybridnorm`` dict only names the dict's placement: one that names another
+    (a config.json edited, a ``from_pretrained(..., placement=...)``) would be ignored, so it is refused."""
+    have = mc.resolved_placement()
+    if name == have.name:
+        return
+    from hybridnorm import placements
+
+    try:
+        asked = placements.get(name) if isinstance(name, str) else None
+    except ConfigError as e:
+        raise ConfigError(f"placement={name!r}: {e}") from None
+    if asked is None or {**asked.to_dict(), "name": have.name} != have.to_dict():
+        raise ConfigError(f"placement={name!r} is not the model's placement: hybridnorm.placement ({have.name!r}) "
+                          "is, and the weights were made for it; edit that (a model of another placement), or "
+                          "drop placement")
 
 
 def _both_names(m: re.Match) -> str:

@@ -77,6 +77,7 @@ class HybridNormPreTrainedModel(PreTrainedModel):
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
         self.model = TransformerLM(self.config.model_config(), HybridNormDecoderLayer)
+        self.model.rope_beyond_max_seq_len = True  # as transformers' models: max_position_embeddings is no limit
         for block in self.model.blocks:  # transformers' backends in the attention-kernel slot
             a = block.attn
             block.attn.inner = HFKernel(self.config, a.n_heads, a.n_kv_heads, a.head_dim, a.layer_idx)
@@ -156,11 +157,14 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             cache = None
         if position_ids is None:
             position_ids = _default_positions(x.shape[1], attention_mask, cache, x.device)
-        max_len = lm.config.max_seq_len
-        if not torch.compiler.is_compiling() and position_ids.numel() and int(position_ids.max()) >= max_len:
-            raise ValueError(f"position {int(position_ids.max())} exceeds max_position_embeddings={max_len}")
         mask = causal_mask(cfg, x, attention_mask, cache, position_ids)  # None, or (B, 1, T, S)
-        cos, sin = lm.rope_cos[position_ids], lm.rope_sin[position_ids]  # (B or 1, T, D/2)
+        cos, sin = lm.rope_cos, lm.rope_sin
+        # past max_position_embeddings, as transformers' models: rows computed there (dynamic NTK: for this call).
+        # Compiled (a static cache) the tables are what they are: max_position_embeddings is the limit there
+        if not torch.compiler.is_compiling() and position_ids.numel() \
+                and (last := int(position_ids.max())) >= lm.config.max_seq_len:
+            cos, sin = lm.rope_rows(last + 1, f"position {last}")
+        cos, sin = cos[position_ids], sin[position_ids]  # (B or 1, T, D/2)
         kernels = [b.attn.inner for b in lm.blocks]
         routers = [b.ffn for b in lm.blocks if isinstance(b.ffn, MoEFFN)]
         attentions: list[Tensor] | None = [] if output_attentions else None

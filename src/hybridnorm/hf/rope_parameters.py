@@ -3,9 +3,9 @@
 transformers names a model's RoPE in one dict: ``{"rope_type": "default", "rope_theta": 10000.0}``, or a
 stretched one such as Llama 3.1's ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_theta": 500000.0}``. Older
-configs call it ``rope_scaling`` and its type ``type``. The types whose frequencies are fixed once the
-context is (``linear``, ``llama3``, ``yarn``) are :class:`hybridnorm.config.RopeScaling`; the ones that
-recompute them per batch are refused by name (:data:`UNSUPPORTED` says why), never run as another.
+configs call it ``rope_scaling`` and its type ``type``. ``linear``, ``dynamic``, ``llama3`` and ``yarn`` are
+:class:`hybridnorm.config.RopeScaling`; ``longrope`` is refused by name (:data:`UNSUPPORTED`), never run as
+another.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ KEYS = {"factor": "factor", "original_max_position_embeddings": "original_max_se
         "mscale": "mscale", "mscale_all_dim": "mscale_all_dim"}
 _HF_KEY = {ours: hf for hf, ours in KEYS.items()}
 UNSUPPORTED = {
-    "dynamic": "dynamic NTK recomputes the frequencies from each batch's longest position, so a token's "
-               "rotation would depend on what it is batched with and a KV cache's keys on when they were cached",
-    "longrope": "LongRoPE switches between two frequency sets by the batch's length (as dynamic NTK)",
+    "longrope": "LongRoPE's two frequency sets (short_factor, long_factor per pair) are not implemented",
 }
+# read by transformers' standardization for some types and written by others beside any type: the pre-training
+# context, informational where the type does not read it (transformers' own tests put it beside "default")
+INFORMATIONAL = ("original_max_position_embeddings",)
 
 
 def to_rope_parameters(mc: ModelConfig) -> dict[str, Any]:
@@ -69,6 +70,8 @@ def from_rope_parameters(rp: Any, where: str = "rope_parameters") -> tuple[float
                                   "supported (only 1.0, every dim rotated)")
         elif KEYS.get(key) in reads:
             given[KEYS[key]] = value
+        elif key in INFORMATIONAL:
+            continue
         else:
             raise ConfigError(f"{where}.{key}={show(value)} does nothing with rope_type={kind!r}, which reads "
                               f"{', '.join(_HF_KEY[n] for n in reads) or 'rope_theta only'}")

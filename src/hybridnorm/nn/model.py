@@ -50,6 +50,8 @@ class TransformerLM(nn.Module):
         # --activation_checkpointing through hybridnorm.nn.regional); a plain attribute, so parameter names
         # and checkpoint files are the same either way
         self.activation_checkpointing = False
+        # True: positions past max_seq_len get RoPE rows (rope_rows) instead of a ValueError; the HF classes set it
+        self.rope_beyond_max_seq_len = False
         self.reset_rope()
         self.reset_parameters()
 
@@ -60,6 +62,26 @@ class TransformerLM(nn.Module):
         device = self.embed.weight.device if device is None else device
         cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_scaling)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def rope_rows(self, length: int, what: str) -> tuple[Tensor, Tensor]:
+        """RoPE tables with a row for each position below ``length``. Past ``max_seq_len`` only where
+        ``rope_beyond_max_seq_len`` is set (the HF classes: transformers' models take any position), else a
+        ValueError naming ``what``: the tables grow (doubling), or for dynamic NTK scaling, whose frequencies
+        are stretched for the longest position in this call, are computed for this call alone."""
+        c = self.config
+        if length <= c.max_seq_len:
+            return self.rope_cos, self.rope_sin
+        if not self.rope_beyond_max_seq_len:
+            raise ValueError(f"{what} exceeds max_seq_len={c.max_seq_len}")
+        dynamic = c.rope_scaling is not None and c.rope_scaling.type == "dynamic"
+        if not dynamic and length <= self.rope_cos.shape[0]:
+            return self.rope_cos, self.rope_sin
+        rows = length if dynamic else max(length, 2 * self.rope_cos.shape[0])
+        cos, sin = rope_tables(c.head_dim, rows, c.rope_theta, c.rope_scaling, context=c.max_seq_len, seq_len=length)
+        cos, sin = cos.to(self.rope_cos.device), sin.to(self.rope_cos.device)
+        if not dynamic:
+            self.rope_cos, self.rope_sin = cos, sin
+        return cos, sin
 
     def reset_parameters(self) -> None:
         init_weights(self, self.config.resolved_init(), self.config.std)
@@ -92,14 +114,14 @@ class TransformerLM(nn.Module):
             if position_ids is None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # (B, T)
         if position_ids is None:
-            if start + T > self.config.max_seq_len:
-                raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, D/2)
+            cos, sin = self.rope_rows(start + T, f"sequence of {start + T} tokens")
+            cos, sin = cos[start:start + T], sin[start:start + T]  # (T, D/2)
         else:
-            if position_ids.numel() and int(position_ids.max()) >= self.config.max_seq_len:
-                raise ValueError(f"position {int(position_ids.max())} exceeds max_seq_len={self.config.max_seq_len}")
             position_ids = position_ids.expand(B, T)
-            cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]  # (B, T, D/2)
+            cos, sin = self.rope_cos, self.rope_sin
+            if position_ids.numel() and (last := int(position_ids.max())) >= self.config.max_seq_len:
+                cos, sin = self.rope_rows(last + 1, f"position {last}")
+            cos, sin = cos[position_ids], sin[position_ids]  # (B, T, D/2)
         x = self.trunk(self.embed(input_ids), cos, sin, cache, mask)  # (B, T, d)
         if cache is not None:
             cache.pos += T

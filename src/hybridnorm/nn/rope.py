@@ -18,20 +18,27 @@ import torch
 from torch import Tensor
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: Any = None,
-                    max_len: int | None = None) -> tuple[Tensor, float]:
+def inv_frequencies(head_dim: int, theta: float, scaling: Any = None, context: int | None = None,
+                    seq_len: int | None = None) -> tuple[Tensor, float]:
     """θ of each pair of dims (head_dim // 2,), float64, and the factor cos and sin are multiplied by
     (1 but for YaRN). ``scaling``: a :class:`hybridnorm.config.RopeScaling` (not imported: nn sits below the
-    config) or None; ``max_len``: the model's context, pre-training's where ``original_max_seq_len`` is unset."""
+    config) or None; ``context``: the model's max_seq_len (pre-training's context where ``original_max_seq_len``
+    is unset); ``seq_len``: for dynamic NTK, the longest sequence the frequencies must reach."""
+    if scaling is not None and scaling.type == "dynamic":
+        # dynamic NTK: θ unchanged up to the context, then its base grown with the sequence (as transformers')
+        if context is None:
+            raise ValueError("dynamic rope_scaling needs the model's context")
+        grown = scaling.factor * max(seq_len or context, context) / context - (scaling.factor - 1)
+        return inv_frequencies(head_dim, theta * grown ** (head_dim / (head_dim - 2)))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (D/2,)
     if scaling is None:
         return inv_freq, 1.0
     factor = scaling.factor
     if scaling.type == "linear":  # Position Interpolation (arXiv 2306.15595): every angle shrunk by the factor
         return inv_freq / factor, 1.0
-    original = scaling.original_max_seq_len or max_len
+    original = scaling.original_max_seq_len or context
     if original is None:
-        raise ValueError(f"rope_scaling type {scaling.type!r} needs original_max_seq_len or max_len")
+        raise ValueError(f"rope_scaling type {scaling.type!r} needs original_max_seq_len or the model's context")
     if scaling.type == "llama3":
         # Llama 3.1: a pair turning fewer than low_freq_factor times over the original context is stretched by the
         # factor, one turning more than high_freq_factor times is kept, and the ones between are blended linearly
@@ -65,9 +72,11 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float, scaling: Any = None) -> tuple[Tensor, Tensor]:
-    """cos and sin of shape (max_len, head_dim // 2), fp32."""
-    inv_freq, attention_factor = inv_frequencies(head_dim, theta, scaling, max_len)  # (D/2,)
+def rope_tables(head_dim: int, max_len: int, theta: float, scaling: Any = None, context: int | None = None,
+                seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape (max_len, head_dim // 2), fp32. ``context``: the model's max_seq_len (default
+    ``max_len``); ``seq_len``: see :func:`inv_frequencies`."""
+    inv_freq, attention_factor = inv_frequencies(head_dim, theta, scaling, context or max_len, seq_len)  # (D/2,)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (max_len, D/2)
     # in place: the peak stays the one train.preflight.rope_bytes counts
     return angles.cos().mul_(attention_factor).float(), angles.sin().mul_(attention_factor).float()
