@@ -46,10 +46,30 @@ def test_a_change_that_keeps_the_model_is_allowed_and_logged(make_cfg, run):
     assert saved.optim.lr == 1e-3 and saved.max_steps == 3  # config.yaml says what the run now trains with
 
 
+def test_a_long_context_stage_may_change_ropes_frequencies_and_is_logged(make_cfg, run):
+    """The recipe of a long-context stage: resume with a longer context and stretched RoPE (YaRN here, or a
+    larger rope_theta). No parameter changes; the function does, on purpose: allowed, logged, recorded, and
+    the resumed model computes with the new tables."""
+    result = train(make_cfg(run, "--max_steps=3", "--model.max_seq_len=256", "--model.rope_theta=20000",
+                            "--model.rope_scaling.type=yarn", "--model.rope_scaling.factor=2",
+                            "--model.rope_scaling.original_max_seq_len=128"), resume=True, quiet=True)
+    assert result.step == 3
+    (event,) = [e for e in read_metrics(run, "event") if e["event"] == "config_changed_on_resume"]
+    fields = event["fields"]  # the section appears field by field (it was absent: null)
+    assert {"max_steps", "model.max_seq_len", "model.rope_theta", "model.rope_scaling.type",
+            "model.rope_scaling.factor"} <= set(fields)
+    assert all(f in ("max_steps", "model.max_seq_len", "model.rope_theta") or f.startswith("model.rope_scaling.")
+               for f in fields)
+    saved = TrainConfig.load(run / "config.yaml").model
+    assert (saved.rope_theta, saved.rope_scaling.type, saved.rope_scaling.factor) == (20000.0, "yarn", 2.0)
+    model = saved.build()
+    assert model.rope_cos.shape[0] == 256 and model.rope_cos.abs().max() > 1.0  # YaRN scales cos by its factor
+
+
 @pytest.mark.parametrize(("override", "fields"), [
     ("--model.placement=post", "model.placement: 'hybridnorm_star' -> 'post'"),  # same parameter shapes
     ("--model.norm_eps=0.001", "model.norm_eps: 1e-05 -> 0.001"),
-    ("--model.rope_theta=10000", "model.rope_theta"),
+    ("--model.n_kv_heads=4", "model.n_kv_heads"),
 ])
 def test_another_architecture_is_refused_before_anything_is_written(make_cfg, run, override, fields):
     before = _files(run)

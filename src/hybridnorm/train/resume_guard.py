@@ -33,8 +33,12 @@ from hybridnorm.train.checkpoint import checked_run_file
 from hybridnorm.train.config import TrainConfig
 
 # model fields a resumed run may change: how the math is run, how fresh weights would be drawn (a resumed
-# run draws none), and the longest sequence RoPE tables are built for (no parameter depends on it)
-FREE_MODEL_FIELDS = frozenset({"model.fast_kernels", "model.init", "model.init_std", "model.max_seq_len"})
+# run draws none), and the longest sequence RoPE tables are built for (no parameter depends on it). RoPE's
+# frequencies too (rope_theta, rope_scaling.*): they change the function, but on purpose and by the standard
+# recipe of a long-context stage (a longer max_seq_len with a larger θ or a YaRN / Llama 3.1 stretch, trained on)
+FREE_MODEL_FIELDS = frozenset({"model.fast_kernels", "model.init", "model.init_std", "model.max_seq_len",
+                               "model.rope_theta"})
+FREE_MODEL_SECTIONS = ("model.rope_scaling",)
 # fields that say where things are kept and when to log, save or pause, not what is trained: not reported.
 # The batch split too: a resume keeps the run's global batch (a different one is refused) and logs the split
 # it derives as a batch_split_derived event (hybridnorm.train.batch_split)
@@ -62,7 +66,8 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Pa
         return []
     recorded, requested = TrainConfig.load(recorded_cfg).to_dict(), cfg.to_dict()
     changed = [k for k in config_differences(recorded, requested) if k not in RUN_CONTROL_FIELDS]
-    fixed = [k for k in changed if k.startswith("model.") and k not in FREE_MODEL_FIELDS]
+    fixed = [k for k in changed if k.startswith("model.") and k not in FREE_MODEL_FIELDS
+             and not k.startswith(FREE_MODEL_SECTIONS)]
     if fixed:
         before, after = flatten_config(recorded), flatten_config(requested)
         what = ", ".join(f"{k}: {_show(before.get(k))} -> {_show(after.get(k))}" for k in fixed)
