@@ -63,7 +63,7 @@ def test_custom_placement_round_trips_and_builds():
         (dict(moe=dict(num_experts=4, topk=2)), r"moe: unknown field 'topk'"),
         (dict(d_modle=64), r"unknown field 'd_modle'; valid fields: .*d_model"),
         (dict(rope_scaling=dict(type="ntk", factor=2.0)),
-         r"model\.rope_scaling\.type='ntk' is not one of 'linear', 'llama3', 'yarn'"),
+         r"model\.rope_scaling\.type='ntk' is not one of 'linear', 'dynamic', 'llama3', 'yarn'"),
         (dict(rope_scaling=dict(type="yarn")),
          r"model\.rope_scaling\.factor is required with model\.rope_scaling\.type"),
         (dict(rope_scaling=dict(type="linear", factor=0.5)), r"model\.rope_scaling\.factor=0\.5 must be >= 1"),

@@ -74,9 +74,8 @@ class RopeScaling(Config):
 
     def check(self) -> None:
         if self.factor is None:
-            raise ConfigError(f"{self.label('factor')} is required with {self.label('type')}={self.type!r} (the "
-                              "context's stretch, "
-                              "new length / pre-training's, e.g. 4.0)")
+            raise ConfigError(f"{self.label('factor')} is required with {self.label('type')}={self.type!r} "
+                              "(the context's stretch, new length / pre-training's, e.g. 4.0)")
         used = self.FIELDS[self.type]
         for f in dataclasses.fields(self):
             if f.name not in ("type", *used) and getattr(self, f.name) != f.default:

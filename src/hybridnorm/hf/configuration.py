@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 
+from hybridnorm import placements
 from hybridnorm.config import ModelConfig
 from hybridnorm.errors import ConfigError
 from hybridnorm.hf.rope_parameters import from_rope_parameters, to_rope_parameters
@@ -214,8 +215,6 @@ def _check_placement_name(name: Any, mc: ModelConfig) -> None:
     have = mc.resolved_placement()
     if name == have.name:
         return
-    from hybridnorm import placements
-
     try:
         asked = placements.get(name) if isinstance(name, str) else None
     except ConfigError as e:
