@@ -193,7 +193,12 @@ def test_from_pretrained_with_rope_parameters_extends_the_context(tmp_path: Path
     ({"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
      r"rope_parameters.high_freq_factor=1 must be > low_freq_factor=4"),
     ({"rope_type": "yarn", "factor": "four"}, r"rope_parameters.factor='four' must be"),
-    ({"rope_type": "default", "rope_theta": -1}, r"rope_parameters.rope_theta=-1 must be a number > 0"),
+    ({"rope_type": "default", "rope_theta": -1}, r"rope_parameters.rope_theta=-1 must be a finite number > 0"),
+    ({"rope_type": "default", "rope_theta": float("inf")}, r"rope_parameters.rope_theta=inf must be a finite number"),
+    ({"rope_type": ["linear"]}, r"rope_parameters.rope_type=\['linear'\] is not supported; valid: 'default'"),
+    ({"rope_type": "yarn", "factor": float("nan")}, r"rope_parameters.factor=nan must be a finite number"),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2.5},
+     r"rope_parameters.original_max_position_embeddings=2.5 must be an integer"),
     ({"rope_type": "default", "partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5: RoPE on part of a head"),
     ({"full_attention": {"rope_type": "default"}}, r"one RoPE per layer type \(full_attention\) is not supported"),
 ])

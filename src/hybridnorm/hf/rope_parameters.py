@@ -10,6 +10,7 @@ another.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -52,13 +53,14 @@ def from_rope_parameters(rp: Any, where: str = "rope_parameters") -> tuple[float
         raise ConfigError(f"{where}: one RoPE per layer type ({nested}) is not supported: every layer of this "
                           "model rotates alike")
     kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind not in TYPES:
-        why = f" ({UNSUPPORTED[kind]})" if kind in UNSUPPORTED else ""
+    if not isinstance(kind, str) or kind not in TYPES:
+        why = f" ({UNSUPPORTED[kind]})" if isinstance(kind, str) and kind in UNSUPPORTED else ""
         raise ConfigError(f"{where}.rope_type={show(kind)} is not supported{why}; valid: "
                           f"{', '.join(map(repr, TYPES))}")
     theta = rp.get("rope_theta")
-    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0):
-        raise ConfigError(f"{where}.rope_theta={show(theta)} must be a number > 0")
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                              or not 0 < theta < math.inf):
+        raise ConfigError(f"{where}.rope_theta={show(theta)} must be a finite number > 0")
     reads = RopeScaling.FIELDS.get(kind, ())
     given: dict[str, Any] = {}
     for key, value in rp.items():
