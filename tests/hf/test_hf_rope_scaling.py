@@ -15,6 +15,9 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 import transformers
+from test_hf_stock_parity import ids as stock_ids  # tests/hf/: the tiny configs, ids and randomized gains
+from test_hf_stock_parity import random_gains
+from test_hf_stock_parity import tiny as stock_tiny
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import hybridnorm.hf  # registers the Auto classes
@@ -52,23 +55,20 @@ REAL = {
 
 
 def tiny(placement: str = "pre", scaling: dict | None = None, head_dim: int | None = None, **kw) -> ModelConfig:
-    return ModelConfig(**{**dict(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=48,
-                                 max_seq_len=64, rope_theta=10_000.0, placement=placement, attn_head_dim=head_dim,
-                                 rope_scaling=scaling), **kw})
+    """The stock-parity tests' tiny model with its RoPE stretched by ``scaling`` and any field overridden."""
+    return ModelConfig(**{**stock_tiny(placement, head_dim=head_dim).to_dict(), "rope_scaling": scaling, **kw})
 
 
 def randomized(mc: ModelConfig, seed: int = 0) -> TransformerLM:
     torch.manual_seed(seed)
     model = TransformerLM(mc).eval()
-    with torch.no_grad():  # norm gains start at 1, which would hide a swapped or missing norm
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
+    random_gains(model)
     return model
 
 
 def ids(batch: int = 2, T: int = 64) -> torch.Tensor:
-    return torch.randint(0, 257, (batch, T), generator=torch.Generator().manual_seed(1))
+    """Token ids over the whole context by default: 4x the original 16."""
+    return stock_ids(batch, T)
 
 
 def transformers_frequencies(head_dim: int, theta: float, max_len: int, scaling: dict,

@@ -158,13 +158,9 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         if position_ids is None:
             position_ids = _default_positions(x.shape[1], attention_mask, cache, x.device)
         mask = causal_mask(cfg, x, attention_mask, cache, position_ids)  # None, or (B, 1, T, S)
-        cos, sin = lm.rope_cos, lm.rope_sin
         # past max_position_embeddings, as transformers' models: rows computed there (dynamic NTK: for this call).
         # Compiled (a static cache) the tables are what they are: max_position_embeddings is the limit there
-        if not torch.compiler.is_compiling() and position_ids.numel() \
-                and (last := int(position_ids.max())) >= lm.config.max_seq_len:
-            cos, sin = lm.rope_rows(last + 1, f"position {last}")
-        cos, sin = cos[position_ids], sin[position_ids]  # (B or 1, T, D/2)
+        cos, sin = lm.rope_at(position_ids, check=not torch.compiler.is_compiling())  # (B or 1, T, D/2)
         kernels = [b.attn.inner for b in lm.blocks]
         routers = [b.ffn for b in lm.blocks if isinstance(b.ffn, MoEFFN)]
         attentions: list[Tensor] | None = [] if output_attentions else None

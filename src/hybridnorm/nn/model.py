@@ -83,6 +83,15 @@ class TransformerLM(nn.Module):
             self.rope_cos, self.rope_sin = cos, sin
         return cos, sin
 
+    def rope_at(self, position_ids: Tensor, check: bool = True) -> tuple[Tensor, Tensor]:
+        """The RoPE rows (..., D/2) of ``position_ids``; with ``check`` (a host sync) positions past
+        ``max_seq_len`` go through :meth:`rope_rows` first. Without it (a traced graph) the tables are indexed
+        as they are."""
+        cos, sin = self.rope_cos, self.rope_sin
+        if check and position_ids.numel() and (last := int(position_ids.max())) >= self.config.max_seq_len:
+            cos, sin = self.rope_rows(last + 1, f"position {last}")
+        return cos[position_ids], sin[position_ids]
+
     def reset_parameters(self) -> None:
         init_weights(self, self.config.resolved_init(), self.config.std)
 
@@ -117,11 +126,7 @@ class TransformerLM(nn.Module):
             cos, sin = self.rope_rows(start + T, f"sequence of {start + T} tokens")
             cos, sin = cos[start:start + T], sin[start:start + T]  # (T, D/2)
         else:
-            position_ids = position_ids.expand(B, T)
-            cos, sin = self.rope_cos, self.rope_sin
-            if position_ids.numel() and (last := int(position_ids.max())) >= self.config.max_seq_len:
-                cos, sin = self.rope_rows(last + 1, f"position {last}")
-            cos, sin = cos[position_ids], sin[position_ids]  # (B, T, D/2)
+            cos, sin = self.rope_at(position_ids.expand(B, T))  # (B, T, D/2)
         x = self.trunk(self.embed(input_ids), cos, sin, cache, mask)  # (B, T, d)
         if cache is not None:
             cache.pos += T
