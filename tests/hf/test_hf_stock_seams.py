@@ -1,7 +1,8 @@
 """``HybridNormForCausalLM`` against the stock transformers class that computes the same function, with the
 same weights, through transformers' own entry points: a left-padded batch's logits, hidden states and
 attention weights, the loss with ``-100`` labels and ``num_items_in_batch``, every parameter's gradient,
-and ``generate()`` in greedy, sampling, beam-search, static-cache and repetition-penalty modes.
+and ``generate()`` in greedy, sampling, beam-search, static-cache, repetition-penalty and chunked-prefill
+modes.
 
 The stock class is the independent oracle: transformers' own code for the cache, masks, positions and
 loss. (test_hf_stock_parity.py compares our *TransformerLM* with the stock classes on plain forwards; this
@@ -115,6 +116,7 @@ GENERATE = {
     "beam": dict(num_beams=3, do_sample=False),
     "static_cache": dict(do_sample=False, cache_implementation="static"),
     "penalties": dict(do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2),
+    "chunked_prefill": dict(do_sample=False, prefill_chunk_size=5),  # the prompt enters the cache 5 at a time
 }
 
 

@@ -5,8 +5,11 @@ hands them to a parameter-free kernel module, ``Attention.inner``, and to ``cach
 replace ``inner`` with :class:`HFKernel`, which calls the function that ``config._attn_implementation``
 names in transformers' ``ALL_ATTENTION_FUNCTIONS`` ("sdpa", or any backend the class allows,
 or :func:`eager_attention`, the plain equation, which also returns the attention weights), and wrap any
-transformers :class:`~transformers.Cache` (dynamic, static, offloaded, ...) in :class:`CacheView`. So the
-placement's math is the training code's, and masks, caches and kernels are transformers' own.
+transformers :class:`~transformers.Cache` (dynamic, static, offloaded, paged, ...) in :class:`CacheView`. So
+the placement's math is the training code's, and masks, caches and kernels are transformers' own. The
+keyword arguments a forward passes on to transformers' caches and attention functions (as its own models
+pass their ``**kwargs`` down: continuous batching's indices into a paged cache) travel in one
+:class:`AttentionCall`, shared by the cache view and the kernels of that forward.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class HFKernel(nn.Module):
         self.num_key_value_groups = n_heads // n_kv_heads
         self.scaling = head_dim ** -0.5
         self.record: list[Tensor] | None = None
+        self.call: AttentionCall | None = None  # set by the HF forward for its duration
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         impl = self.config._attn_implementation
@@ -65,20 +69,47 @@ class HFKernel(nn.Module):
         else:  # the others read `is_causal` (above) when there is no mask
             fn = ALL_ATTENTION_FUNCTIONS[impl]
         dropout = self.config.attention_dropout if self.training else 0.0
-        out, weights = fn(self, q, k, v, mask, scaling=self.scaling, dropout=dropout)  # (B, T, H, D)
+        extra = self.call.of(self.layer_idx) if self.call is not None else {}
+        out, weights = fn(self, q, k, v, mask, scaling=self.scaling, dropout=dropout, **extra)  # (B, T, H, D)
         if self.record is not None:
             self.record.append(weights)
         return out.transpose(1, 2)  # (B, H, T, D)
 
 
+class AttentionCall:
+    """The keyword arguments of one HF forward that transformers' caches and attention functions read, as its
+    own models hand their ``**kwargs`` to ``cache.update`` and to the attention function of every layer
+    (continuous batching's ``read_index`` / ``write_index`` / ``cu_seq_lens_k``, ...). A cache may rewrite
+    them for its layer, in place (the paged cache picks the entries of the layer's group), so each layer
+    gets a copy of its own, read by that layer's cache update and then its kernel."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.kwargs = kwargs
+        self.layers: dict[int, dict[str, Any]] = {}
+
+    def of(self, layer: int) -> dict[str, Any]:
+        return self.layers.setdefault(layer, dict(self.kwargs))
+
+
 class CacheView:
     """A transformers :class:`~transformers.Cache` seen through :class:`hybridnorm.nn.attention.KVCache`'s
     interface (``pos``, ``update(layer, k, v)``); keys and values are (B, Hkv, T, D) in both. The cache counts
-    its own tokens, so ``pos`` (read by our attention only when no mask is given) is what it has seen."""
+    its own tokens, so ``pos`` (read by our attention only when no mask is given) is what it has seen; a paged
+    cache (continuous batching) counts none, and always comes with a mask."""
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: Any, call: AttentionCall | None = None) -> None:
         self.cache = cache
-        self.pos = cache.get_seq_length()
+        self.call = call
+        # counted before the first layer writes: the tokens cached before this forward
+        self._pos = cache.get_seq_length() if hasattr(cache, "get_seq_length") else None
+
+    @property
+    def pos(self) -> int:
+        if self._pos is None:
+            raise ValueError(f"{type(self.cache).__name__} counts no tokens: it needs an attention mask")
+        return self._pos
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self.cache.update(k, v, layer)
+        if self.call is None or not self.call.kwargs:  # the three-argument call every release's caches take
+            return self.cache.update(k, v, layer)
+        return self.cache.update(k, v, layer, self.call.of(layer))

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -38,7 +38,7 @@ from transformers.modeling_outputs import (
 )
 
 from hybridnorm.hf import remote_code
-from hybridnorm.hf.attention import CacheView, HFKernel
+from hybridnorm.hf.attention import AttentionCall, CacheView, HFKernel
 from hybridnorm.hf.compat import CACHE_FIELD, causal_mask, with_cache
 from hybridnorm.hf.configuration import MODEL_TYPE, HybridNormConfig
 from hybridnorm.hf.loss import causal_lm_loss
@@ -137,24 +137,33 @@ class HybridNormPreTrainedModel(PreTrainedModel):
 
     def _decode(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
                 cache: Any, inputs_embeds: Tensor | None, use_cache: bool | None, output_attentions: bool | None,
-                output_hidden_states: bool | None, record_router: bool = False) -> BaseModelOutputWithPast:
+                output_hidden_states: bool | None, record_router: bool = False,
+                attention_kwargs: dict[str, Any] | None = None) -> BaseModelOutputWithPast:
         """The final-normed hidden states (B, T, d), with the cache and what the flags ask to record;
         ``record_router`` on an MoE: a ``MoeModelOutputWithPast`` whose ``router_logits`` holds each layer's
-        router logits (B*T, E) fp32, as Mixtral's / OLMoE's do."""
+        router logits (B*T, E) fp32, as Mixtral's / OLMoE's do. ``attention_kwargs``: the forward's other
+        keyword arguments, handed to the cache's update and the attention function (as transformers'
+        models hand theirs down): continuous batching's paged cache and its indices arrive so."""
         cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         use_cache = cfg.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:  # a recomputed block would write its keys twice
-            use_cache = False
+        # a checkpointed block recomputed in backward would write its keys into a cache twice. Without
+        # gradients nothing is recomputed (generating from a model left in training mode): the cache is kept
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if cache is not None and cache.get_seq_length() > 0:  # stock classes drop it, computing without it
+                raise ValueError("a KV cache holding keys (PEFT prefix tuning, a continued sequence) cannot be "
+                                 "attended to while gradient checkpointing trains: the recomputed blocks would "
+                                 "write their keys into it twice; turn gradient checkpointing off")
+            use_cache, cache = False, None
         output_attentions = cfg.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         lm = self.model
         x = lm.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, d)
+        # a cache passed in is attended to and extended whatever use_cache says, as in transformers' models:
+        # PEFT's prefix tuning hands its learned keys in as one, with the config's use_cache often False
         if use_cache and cache is None:
             cache = DynamicCache(config=cfg)
-        if not use_cache:
-            cache = None
         if position_ids is None:
             position_ids = _default_positions(x.shape[1], attention_mask, cache, x.device)
         mask = causal_mask(cfg, x, attention_mask, cache, position_ids)  # None, or (B, 1, T, S)
@@ -166,21 +175,28 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         attentions: list[Tensor] | None = [] if output_attentions else None
         hidden: list[Tensor] | None = [] if output_hidden_states else None
         router: list[Tensor] | None = [] if record_router and routers else None
+        call = AttentionCall(attention_kwargs or {})
         for k in kernels:
-            k.record = attentions
+            k.record, k.call = attentions, call
         for r in routers:
             r.record = router
         try:
-            x = lm.trunk(x, cos, sin, CacheView(cache) if cache is not None else None, mask, hidden)  # (B, T, d)
+            x = lm.trunk(x, cos, sin, CacheView(cache, call) if cache is not None else None, mask, hidden)  # (B, T, d)
         finally:
             for m in kernels + routers:
                 m.record = None
+            for k in kernels:
+                k.call = None
         if hidden is not None:
             hidden.append(x)  # as in transformers: the last entry is the final-normed output
         if attentions is not None:  # only the eager backend computes the weights (as in transformers: none else)
             attentions = [w for w in attentions if w is not None]
+        # the cache is returned when use_cache asks, as transformers documents (its models return a passed one
+        # always, and generate(use_cache=False) then hands that back with the whole sequence: a prefix-tuned
+        # model attended to its prefix and its tokens twice from the second step on)
         fields = dict(last_hidden_state=x, hidden_states=tuple(hidden) if hidden is not None else None,
-                      attentions=tuple(attentions) if attentions is not None else None, **with_cache(cache))
+                      attentions=tuple(attentions) if attentions is not None else None,
+                      **with_cache(cache if use_cache else None))
         if router is not None:
             return MoeModelOutputWithPast(**fields, router_logits=tuple(router))
         return BaseModelOutputWithPast(**fields)
@@ -224,9 +240,18 @@ def _default_positions(T: int, attention_mask: Tensor | None, cache: Any, device
 
 def _cache_arg(cache: Any, kwargs: dict[str, Any]) -> Any:
     """The KV cache, passed as ``cache`` (transformers >= 5.23) or ``past_key_values`` (earlier, and still
-    accepted by those releases with a deprecation warning, as their own models do)."""
+    accepted by those releases with a deprecation warning, as their own models do).
+
+    Before 5.23 continuous batching passes its paged cache as ``cache`` beside the KV cache's name, for the
+    ``paged|...`` attention functions to update: there a ``cache`` that is no transformers ``Cache`` is left in
+    ``kwargs``, which reach those functions."""
+    if CACHE_FIELD == "past_key_values" and cache is not None and not isinstance(cache, Cache):
+        kwargs["cache"], cache = cache, None
     legacy = kwargs.pop("past_key_values", None)
-    if legacy is not None and CACHE_FIELD == "cache":
+    if legacy is not None and cache is not None and legacy is not cache:  # said, as transformers' models say it
+        warnings.warn("both `cache` and `past_key_values` given: using `cache`, ignoring `past_key_values`",
+                      FutureWarning, stacklevel=3)
+    elif legacy is not None and CACHE_FIELD == "cache":
         warnings.warn("`past_key_values` is deprecated: pass the KV cache as `cache`", FutureWarning, stacklevel=3)
     return cache if cache is not None else legacy
 
@@ -252,7 +277,8 @@ class HybridNormModel(HybridNormPreTrainedModel):
                 output_hidden_states: bool | None = None, return_dict: bool | None = None,
                 output_router_logits: bool | None = None, **kwargs: Any) -> BaseModelOutputWithPast | tuple:
         out = self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
-                           use_cache, output_attentions, output_hidden_states, self._router_flag(output_router_logits))
+                           use_cache, output_attentions, output_hidden_states, self._router_flag(output_router_logits),
+                           kwargs)
         return out if _return_dict(self.config, return_dict) else out.to_tuple()
 
 
@@ -288,7 +314,7 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
         wants_loss = labels is not None or kwargs.get("shift_labels") is not None
         out = self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
                            use_cache, output_attentions, output_hidden_states,
-                           want_router or (wants_loss and self.model.is_moe))
+                           want_router or (wants_loss and self.model.is_moe), kwargs)
         x = out.last_hidden_state  # (B, T, d)
         if isinstance(logits_to_keep, int):
             x = x[:, -logits_to_keep:] if logits_to_keep > 0 else x

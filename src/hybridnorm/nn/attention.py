@@ -176,10 +176,10 @@ class Attention(nn.Module):
                 q, k = self._qk_norms(q, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, h, T, D)
 
-        start = 0
+        start = 0  # the cached keys before these: needed only where no mask says what each query sees
         if cache is not None:
-            start = cache.pos
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, start + T, D)
+            start = cache.pos if mask is None else 0
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, S, D): S counts the cached keys too
         causal = mask is None and start == 0 and T > 1
         if mask is None and start > 0 and T > 1:  # a chunk after a cached prefix: query i sees keys <= start + i
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
