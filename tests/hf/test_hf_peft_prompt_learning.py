@@ -5,7 +5,7 @@ the stock class with the same weights and the same adapter, and a KV cache hande
 ``use_cache`` asks, as transformers documents).
 
 Prefix tuning hands its learned keys and values to the model as a KV cache. The model's config often says
-``use_cache=False`` (set after gradient-checkpointed training, by TRL, by users saving memory), and our
+``use_cache=False`` (``Trainer`` writes ``TrainingArguments.use_cache`` into it, False by default), and our
 class dropped a passed cache then: the adapter's keys were never attended to (a crash with a padding mask,
 no gradient without one). The stock class is the oracle: transformers' own code for the cache and masks.
 
