@@ -97,7 +97,7 @@ class CacheView:
     its own tokens, so ``pos`` (read by our attention only when no mask is given) is what it has seen; a paged
     cache (continuous batching) counts none, and always comes with a mask."""
 
-    def __init__(self, cache: Any, call: AttentionCall | None = None) -> None:
+    def __init__(self, cache: Any, call: AttentionCall) -> None:
         self.cache = cache
         self.call = call
         # counted before the first layer writes: the tokens cached before this forward
@@ -110,6 +110,6 @@ class CacheView:
         return self._pos
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.call is None or not self.call.kwargs:  # the three-argument call every release's caches take
+        if not self.call.kwargs:  # the three-argument call every release's caches take
             return self.cache.update(k, v, layer)
         return self.cache.update(k, v, layer, self.call.of(layer))

@@ -183,10 +183,10 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         try:
             x = lm.trunk(x, cos, sin, CacheView(cache, call) if cache is not None else None, mask, hidden)  # (B, T, d)
         finally:
-            for m in kernels + routers:
-                m.record = None
             for k in kernels:
-                k.call = None
+                k.record, k.call = None, None
+            for r in routers:
+                r.record = None
         if hidden is not None:
             hidden.append(x)  # as in transformers: the last entry is the final-normed output
         if attentions is not None:  # only the eager backend computes the weights (as in transformers: none else)
