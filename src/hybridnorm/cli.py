@@ -142,9 +142,9 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         raise ConfigError(f"--prompt={args.prompt!r} is not valid UTF-8 text: pass the prompt as UTF-8")
     run = load_run(args.checkpoint)
     gen = torch.Generator().manual_seed(args.seed)
-    # <|endoftext|> first, as the evaluators and the exported HF tokenizer do: every training document
-    # followed one, so this is the context a document starts from
-    ids = [run.tokenizer.eot_id, *run.tokenizer.encode(args.prompt)]
+    # the start token first (<|endoftext|> for our tokenizers: every training document followed one; a
+    # folder's own BOS where its tokenizer adds one), as the evaluators and the exported HF tokenizer do
+    ids = [run.tokenizer.start_id, *run.tokenizer.encode(args.prompt)]
     out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None, generator=gen)
     print(run.tokenizer.decode(out[0, 1:].tolist()))

@@ -58,7 +58,7 @@ def test_sidecar_and_vocab_checks(tmp_path):
 
 class _BigVocab(ByteTokenizer):
     vocab_size = 70_000
-    eot_id = 69_999
+    eot_id = start_id = 69_999
 
 
 def test_large_vocab_uses_uint32_and_empty_splits_work(tmp_path):

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,30 @@ def test_a_folder_without_tokenizer_json_is_one_error_that_says_how_to_convert(l
         assert f"AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')" in line
     assert not (tmp_path / "run").exists() and sorted(p.name for p in folder.iterdir()) == \
         sorted(["config.json", "model.safetensors", *([slow] if slow else [])])
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+@pytest.mark.parametrize(("field", "value"), [("attention_dropout", 0.1), ("router_jitter_noise", 0.3),
+                                              ("attention_dropout", 0.0)])
+def test_a_training_only_field_left_behind_is_one_warning_naming_it(llama_dir, tmp_path: Path, command: str,
+                                                                     field: str, value: float) -> None:
+    """Attention dropout and router jitter act only in training; TransformerLM has neither, so a folder that
+    sets one imports (or re-exports) with the same eval-mode function, and the run says what it left."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    for f in llama_dir[0].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
+    out = tmp_path / "out"
+    argv = ["import", str(folder), "--out", str(out)] if command == "import" else \
+        ["export", str(folder), "--to", "hf", str(out)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    warned = [str(w.message) for w in caught if "not carried over" in str(w.message)]
+    if value:
+        assert len(warned) == 1 and f"{field}={value}" in warned[0] and str(folder / "config.json") in warned[0]
+    else:
+        assert warned == []
+    assert out.is_dir()

@@ -104,7 +104,9 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
         tok_key = "bytes"
     elif isinstance(tokenizer, (str, Path)) and Path(tokenizer).exists():
         user_tok = load_tokenizer(tokenizer)
-        tok_key = f"tok{user_tok.fingerprint[:12]}"
+        # "-bos": documents begin with the tokenizer's own start token (data/tokens.py); a cache built before
+        # they did is not reused
+        tok_key = f"tok{user_tok.fingerprint[:12]}" + ("-bos" if user_tok.start_id != user_tok.eot_id else "")
     else:
         raise ConfigError(f"data.tokenizer={tokenizer!r} is not one of {', '.join(map(repr, KINDS))} "
                           f"or an existing tokenizer.json path")

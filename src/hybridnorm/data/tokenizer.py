@@ -35,6 +35,7 @@ class Tokenizer(Protocol):
     kind: str
     vocab_size: int
     eot_id: int
+    start_id: int  # the token every context starts from (prompts, scored texts): see BPETokenizer
     fingerprint: str  # a hash of the saved form: tokenized data records it to refuse a mismatched tokenizer
 
     def encode(self, text: str) -> list[int]: ...
@@ -49,6 +50,7 @@ class ByteTokenizer:
     kind = "bytes"
     vocab_size = 257
     eot_id = 256
+    start_id = 256
 
     def __init__(self) -> None:
         self.fingerprint = hashlib.sha256(self._json().encode()).hexdigest()
@@ -78,7 +80,12 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A wrapped ``tokenizers.Tokenizer`` (``.hf``); special tokens inside text are not split."""
+    """A wrapped ``tokenizers.Tokenizer`` (``.hf``); special tokens inside text are not split.
+
+    ``start_id``, the token a prompt or a scored text starts from: the one token the tokenizer's own
+    post-processor puts before a text, if it puts one (a BOS: Llama's, Mistral's ``<s>``; what transformers
+    and lm-eval's HF backend add), else the end-of-text token, our document separator (ours, GPT-2's, Qwen's:
+    a model trained on documents joined by it has learned that a document starts after it)."""
 
     kind = "bpe"
 
@@ -90,6 +97,7 @@ class BPETokenizer:
             raise ConfigError(f"tokenizer {source} has no end-of-text token "
                               f"(one of {', '.join(EOT_ALIASES)})")
         self.eot_id: int = next(i for i in ids if i is not None)
+        self.start_id: int = _start_id(hf, self.eot_id)
         self.fingerprint = hashlib.sha256(hf.to_str().encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
@@ -104,6 +112,17 @@ class BPETokenizer:
 
     def save(self, directory: str | Path) -> Path:
         return atomic_write(Path(directory) / "tokenizer.json", self.hf.to_str())
+
+
+def _start_id(hf: object, eot_id: int) -> int:
+    """The single token ``hf``'s post-processor adds before a text, else ``eot_id`` (none, or several)."""
+    try:
+        plain = hf.encode("a", add_special_tokens=False).ids
+        full = hf.encode("a", add_special_tokens=True).ids
+    except Exception:  # a post-processor the Rust side cannot apply to one text: nothing is added then
+        return eot_id
+    lead = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+    return full[0] if lead == 1 else eot_id
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 8192) -> BPETokenizer:

@@ -36,15 +36,18 @@ def sidecar_path(path: str | Path) -> Path:
 def tokenize_to_memmap(docs: Sequence[str], tokenizer: Tokenizer, path: str | Path,
                        chunk_docs: int = 512) -> dict[str, object]:
     """Encode ``docs`` (``encode_batch`` per chunk, so memory stays at one chunk) into ``path``; returns
-    the sidecar dict (its ``count`` = sum of encoded lengths + one eot per document)."""
+    the sidecar dict (its ``count`` = sum of encoded lengths + one eot per document). Each document ends
+    with the eot; where the tokenizer's start token is another (a BOS its post-processor adds), each also
+    begins with that, as the model is prompted and scored (``Tokenizer.start_id``)."""
     path = Path(path)
     dtype = token_dtype(tokenizer.vocab_size)
+    head = () if tokenizer.start_id == tokenizer.eot_id else (tokenizer.start_id,)
     count = 0
     with atomic_file(path, "wb") as f:
         for lo in range(0, len(docs), chunk_docs):
             encoded = tokenizer.encode_batch(docs[lo:lo + chunk_docs])
-            flat = np.fromiter((i for ids in encoded for i in (*ids, tokenizer.eot_id)), dtype=np.int64,
-                               count=sum(map(len, encoded)) + len(encoded))
+            flat = np.fromiter((i for ids in encoded for i in (*head, *ids, tokenizer.eot_id)), dtype=np.int64,
+                               count=sum(map(len, encoded)) + len(encoded) * (1 + len(head)))
             if flat.size and (flat.min() < 0 or flat.max() >= tokenizer.vocab_size):
                 raise ConfigError(f"tokenizer produced id {int(flat.max())} outside its vocab size "
                                   f"{tokenizer.vocab_size} while writing {path}")

@@ -112,7 +112,7 @@ class HybridNormLM(_LMBase):
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         docs = self.tokenizer.encode_batch([req.args[0] for req in requests])
-        out = loglikelihood_rolling(self.model, docs, self.tokenizer.eot_id, self.batch_size)
+        out = loglikelihood_rolling(self.model, docs, self.tokenizer.start_id, self.batch_size)
         for req, res in zip(requests, out, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, res)
         return out

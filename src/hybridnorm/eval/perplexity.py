@@ -1,7 +1,7 @@
 """Perplexity of a model on whole documents, with lm-eval's wikitext metrics.
 
 Each document is scored on its own with the rolling scorer (:func:`~hybridnorm.eval.scoring.
-loglikelihood_rolling`: conditioned on the EOT only, every token predicted once, each window with as
+loglikelihood_rolling`: conditioned on the start token only, every token predicted once, each window with as
 much preceding text of the same document as fits). Unlike the training loss (``train/load.evaluate_run``:
 fixed ``seq_len`` windows cut from the concatenated token stream, documents bleeding into each other), the
 numbers here do not depend on the tokenizer or the window, except ``token_perplexity``:
@@ -82,7 +82,7 @@ def perplexity(model: TransformerLM, tokenizer: Tokenizer, docs: Sequence[str], 
     if not docs:
         raise ConfigError(f"no documents to score{f' in {source}' if source else ''}")
     tokens = tokenizer.encode_batch(list(docs))
-    lls = loglikelihood_rolling(model, tokens, tokenizer.eot_id, batch_size)
+    lls = loglikelihood_rolling(model, tokens, tokenizer.start_id, batch_size)
     return PerplexityResult(source, len(docs), sum(map(len, tokens)), sum(map(count_bytes, docs)),
                             sum(map(count_words, docs)), math.fsum(lls))
 

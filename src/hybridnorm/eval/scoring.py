@@ -3,10 +3,11 @@ of lm-eval (``loglikelihood``, ``loglikelihood_rolling``, greedy ``generate_unti
 
 Conventions, chosen to match lm-eval's HF backend (``HFLM``) so that numbers are comparable:
 
-* **EOT as BOS.** Every context is prefixed with the tokenizer's ``eot_id``. Our training data separates
-  documents with EOT, so the model has learned "after EOT a document starts": it is the natural
-  beginning-of-sequence token, and it gives an empty context something to condition on (HFLM does the
-  same with its ``prefix_token_id`` for an empty context).
+* **A start token.** Every context is prefixed with the tokenizer's ``start_id``: for our tokenizers the
+  EOT, since our training data separates documents with it, so the model has learned "after EOT a document
+  starts"; for a tokenizer whose post-processor adds a BOS (Llama's, Mistral's), that BOS, which HFLM's
+  tokenizer adds too. It gives an empty context something to condition on (HFLM does the same with its
+  ``prefix_token_id``, the BOS, else the EOS, for an empty context and for rolling log-likelihoods).
 * **Pair encoding** follows ``HFLM._encode_pair``: trailing spaces of the context move to the
   continuation, and the continuation ids are ``encode(context + continuation)[len(encode(context)):]``,
   so a BPE merge across the boundary is scored as the model would have seen the whole text.
@@ -50,7 +51,7 @@ def windows(seq: Sequence[int], start: int, max_len: int) -> list[Window]:
     fits in ``max_len`` positions.
 
     Targets are taken ``max_len`` at a time from ``start``; the window predicting ``seq[a:b]`` reads
-    ``seq[max(0, b-1-max_len) : b-1]``. For ``seq = [eot] + doc`` and ``start = 1`` this is exactly lm-eval's
+    ``seq[max(0, b-1-max_len) : b-1]``. For ``seq = [start] + doc`` and ``start = 1`` this is exactly lm-eval's
     rolling windows; for a (context, continuation) pair that fits it is ``(ctx + cont)[-(max_len+1):][:-1]``.
     """
     if start < 1:
@@ -66,14 +67,14 @@ def windows(seq: Sequence[int], start: int, max_len: int) -> list[Window]:
 
 
 def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> TokenPair:
-    """(context ids with the EOT prefix, continuation ids) by lm-eval's ``HFLM._encode_pair`` rule."""
+    """(context ids with the start-token prefix, continuation ids) by lm-eval's ``HFLM._encode_pair`` rule."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         continuation = context[-n_spaces:] + continuation
         context = context[:-n_spaces]
     whole = tokenizer.encode(context + continuation)
     ctx = tokenizer.encode(context)
-    return [tokenizer.eot_id, *ctx], whole[len(ctx):]
+    return [tokenizer.start_id, *ctx], whole[len(ctx):]
 
 
 @torch.inference_mode()
@@ -110,13 +111,13 @@ def loglikelihood(model: TransformerLM, pairs: Sequence[TokenPair], batch_size: 
 
     Contexts are left-truncated so context + continuation fits ``max_seq_len``; a continuation longer than
     that is scored in disjoint windows (see :func:`windows`). An empty continuation scores (0.0, True).
-    Each context must hold at least one token: prefix the tokenizer's ``eot_id`` (:func:`encode_pair` does).
+    Each context must hold at least one token: prefix the tokenizer's ``start_id`` (:func:`encode_pair` does).
     """
     max_len = model.config.max_seq_len
     wins, owner = [], []
     for i, (ctx, cont) in enumerate(pairs):
         if not ctx:
-            raise ConfigError(f"pair {i}: empty context; prefix the tokenizer's eot_id so the first "
+            raise ConfigError(f"pair {i}: empty context; prefix the tokenizer's start_id so the first "
                               f"continuation token has something to condition on")
         for w in windows([*ctx, *cont], len(ctx), max_len):
             wins.append(w)
@@ -126,8 +127,8 @@ def loglikelihood(model: TransformerLM, pairs: Sequence[TokenPair], batch_size: 
 
 def loglikelihood_rolling(model: TransformerLM, docs: Sequence[Sequence[int]], prefix_id: int,
                           batch_size: int = 8) -> list[float]:
-    """Sum log p(doc) per token list, conditioned on ``prefix_id`` (the EOT), every token scored once in
-    disjoint windows — lm-eval's ``loglikelihood_rolling``. An empty document scores 0.0."""
+    """Sum log p(doc) per token list, conditioned on ``prefix_id`` (the tokenizer's ``start_id``), every token
+    scored once in disjoint windows — lm-eval's ``loglikelihood_rolling``. An empty document scores 0.0."""
     wins, owner = [], []
     for i, doc in enumerate(docs):
         for w in windows([prefix_id, *doc], 1, model.config.max_seq_len):
@@ -152,8 +153,8 @@ def loglikelihood_text(model: TransformerLM, tokenizer: Tokenizer, pairs: Sequen
 
 def loglikelihood_rolling_text(model: TransformerLM, tokenizer: Tokenizer, texts: Sequence[str],
                                batch_size: int = 8) -> list[float]:
-    """:func:`loglikelihood_rolling` of whole strings, each conditioned on the EOT only."""
-    return loglikelihood_rolling(model, tokenizer.encode_batch(list(texts)), tokenizer.eot_id, batch_size)
+    """:func:`loglikelihood_rolling` of whole strings, each conditioned on the start token only."""
+    return loglikelihood_rolling(model, tokenizer.encode_batch(list(texts)), tokenizer.start_id, batch_size)
 
 
 def cut_at_stop(text: str, until: Sequence[str]) -> str:
@@ -165,8 +166,8 @@ def cut_at_stop(text: str, until: Sequence[str]) -> str:
 @torch.inference_mode()
 def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
                  max_gen_toks: int = 256) -> str:
-    """Greedy continuation of ``context`` (EOT-prefixed) up to ``max_gen_toks`` tokens, the EOT token, or
-    the first stop string in ``until`` (which is cut off, as lm-eval does).
+    """Greedy continuation of ``context`` (prefixed with the start token) up to ``max_gen_toks`` tokens, the
+    EOT token, or the first stop string in ``until`` (which is cut off, as lm-eval does).
 
     As in HFLM the context is left-truncated to leave room for ``max_gen_toks`` new tokens, but it keeps at
     least half the window (HFLM refuses ``max_gen_toks >= max_seq_len``); when the window is full,
@@ -176,7 +177,7 @@ def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until
         raise ConfigError(f"max_gen_toks={max_gen_toks} must be >= 0")
     max_len, vocab, eot = model.config.max_seq_len, model.config.vocab_size, tokenizer.eot_id
     device = model.embed.weight.device
-    ids = [eot, *tokenizer.encode(context)][-max(max_len // 2, max_len - max_gen_toks, 1):]
+    ids = [tokenizer.start_id, *tokenizer.encode(context)][-max(max_len // 2, max_len - max_gen_toks, 1):]
 
     def prefill(tokens: list[int]) -> tuple[torch.Tensor, KVCache]:
         cache = model.new_cache(1, max_len)

@@ -12,6 +12,7 @@ foreign folder may hold before ``transformers`` reads it (no code, no pickles) i
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,9 @@ class ExportResult:
 def hf_tokenizer(tok: Tokenizer, max_length: int | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer as a ``PreTrainedTokenizerFast`` with the same ids; ``<|endoftext|>`` (our document
     separator) serves as bos, eos and pad, and is prepended by default (``add_special_tokens=True``) as
-    ``hybridnorm generate`` and the evaluators prepend it: training saw every document right after one.
+    ``hybridnorm generate`` and the evaluators prepend it: training saw every document right after one. A
+    tokenizer whose own start token is another (an imported folder's BOS: ``Tokenizer.start_id``) keeps it
+    as bos, prepended, and its end-of-text token as eos and pad.
     ``model_max_length`` is the model's context (``max_length``). The byte tokenizer becomes an equivalent
     HF byte-level model: a BPE with the 256 byte symbols as ids 0..255 and no merges."""
     from tokenizers import Tokenizer as HFTokenizer
@@ -57,10 +60,10 @@ def hf_tokenizer(tok: Tokenizer, max_length: int | None = None) -> PreTrainedTok
         inner = _byte_level_tokenizer()
     else:
         raise ConfigError(f"cannot convert a {type(tok).__name__} tokenizer to a Hugging Face one")
-    eot = inner.id_to_token(tok.eot_id)
-    inner.post_processor = TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A $B:1",
-                                              special_tokens=[(eot, tok.eot_id)])
-    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=eot, eos_token=eot, pad_token=eot,
+    eot, start = inner.id_to_token(tok.eot_id), inner.id_to_token(tok.start_id)
+    inner.post_processor = TemplateProcessing(single=f"{start} $A", pair=f"{start} $A $B:1",
+                                              special_tokens=[(start, tok.start_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=start, eos_token=eot, pad_token=eot,
                                    model_max_length=max_length or int(1e30), clean_up_tokenization_spaces=False)
 
 
@@ -91,15 +94,16 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
     if arch not in ("auto", MODEL_TYPE) and (match is None or match.model_type != arch):
         raise ConfigError(f"cannot export as {arch}: " + (reason if match is None else
                                                            f"this model matches {match.model_type}, not {arch}"))
-    eos = tokenizer.eot_id if tokenizer is not None else None
+    eos, bos = (tokenizer.eot_id, tokenizer.start_id) if tokenizer is not None else (None, None)
     sd = model.state_dict()  # copied into the export class in fp32, which is cast to ``dtype`` once below
     if match is not None and arch != MODEL_TYPE:
-        cfg = stock.stock_config_class(match)(**stock.to_hf_config_kwargs(mc, match, eos_token_id=eos))
+        cfg = stock.stock_config_class(match)(**stock.to_hf_config_kwargs(mc, match, eos_token_id=eos,
+                                                                             bos_token_id=bos))
         hf = stock.stock_model_class(match)(cfg)
         hf.load_state_dict(stock.to_hf_state_dict(sd, mc, match), strict=True)
         class_name, is_stock = match.class_name, True
     else:
-        cfg = HybridNormConfig.from_model_config(mc, bos_token_id=eos, eos_token_id=eos)
+        cfg = HybridNormConfig.from_model_config(mc, bos_token_id=bos, eos_token_id=eos)
         cfg.auto_map = dict(remote_code.AUTO_MAP)  # save_pretrained writes the shim it names
         hf = HybridNormForCausalLM(cfg)
         hf.model.load_state_dict(sd, strict=True)
@@ -120,12 +124,31 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
     return ExportResult(out, class_name, is_stock, reason)
 
 
+# config fields that act only while training (random noise in the forward), which TransformerLM has no
+# counterpart for: a folder read with one set is the same function in eval mode, but not in training
+TRAINING_ONLY_FIELDS = ("attention_dropout", "router_jitter_noise")
+
+
+def warn_training_only_fields(path: str | Path, written: str) -> None:
+    """One warning per training-only field set to a nonzero value in ``path``'s config.json: it is not in
+    the ``written`` folder, so training from that folder runs without it."""
+    file = folder.model_folder(path) / "config.json"
+    raw = folder.read_config(path)
+    for name in TRAINING_ONLY_FIELDS:
+        value = raw.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
+            warnings.warn(f"{file}: {name}={value} is not carried over to the {written}: hybridnorm's model has "
+                          f"no such training-time noise (it computes the same in eval mode; training from the "
+                          f"{written} runs without it)", stacklevel=2)
+
+
 def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype: str = "float32") -> ExportResult:
     """Export a run folder (its newest good checkpoint), one ``checkpoints/step_*`` folder or a local HF
     folder (to another architecture or dtype)."""
     check_output_folder(out_dir, "export folder", inputs=[path])  # before minutes of loading, not after
     if is_hf_folder(path):
         run = load_hf_run(path)
+        warn_training_only_fields(path, "export folder")
     else:
         check_run_fits(path, copies=2)  # the run's model, then the export class's copy of it
         run = open_run(path)
@@ -197,6 +220,7 @@ def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False)
     written holds safetensors, so nothing downstream unpickles again."""
     out = check_output_folder(out_dir, "run folder (--out)", inputs=[folder.model_folder(path)])  # input named first
     run = load_hf_run(path, allow_pickle=allow_pickle)
+    warn_training_only_fields(path, "run folder")
     cfg = run.config
     with staged_folder(out, "run folder") as tmp:  # all or nothing: no half run behind a failure
         run.tokenizer.save(tmp)

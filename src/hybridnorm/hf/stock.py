@@ -125,11 +125,14 @@ def match_stock(mc: ModelConfig) -> tuple[StockArch | None, str]:
 
 # -- configs ------------------------------------------------------------------------------------------
 
-def to_hf_config_kwargs(mc: ModelConfig, arch: StockArch, eos_token_id: int | None = None) -> dict[str, Any]:
+def to_hf_config_kwargs(mc: ModelConfig, arch: StockArch, eos_token_id: int | None = None,
+                        bos_token_id: int | None = None) -> dict[str, Any]:
     """Keyword arguments for the stock config class of ``arch`` describing ``mc``. The special token ids
-    are set explicitly: the classes' defaults are their pretrained vocabularies' ids, not ours."""
+    are set explicitly: the classes' defaults are their pretrained vocabularies' ids, not ours (bos: the
+    eos unless given, as our tokenizers start a document after their end-of-text token)."""
     kw: dict[str, Any] = dict(
-        bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=None,
+        bos_token_id=eos_token_id if bos_token_id is None else bos_token_id, eos_token_id=eos_token_id,
+        pad_token_id=None,
         vocab_size=mc.embedding_size, hidden_size=mc.d_model, intermediate_size=mc.ffn_hidden_size,
         num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads, num_key_value_heads=mc.kv_heads,
         max_position_embeddings=mc.max_seq_len, rms_norm_eps=mc.norm_eps, hidden_act="silu",
