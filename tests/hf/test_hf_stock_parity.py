@@ -178,3 +178,49 @@ def test_own_class_can_be_forced_and_loads_back(tmp_path: Path) -> None:
     assert model_type == "hybridnorm"
     with torch.no_grad():
         assert torch.equal(model(ids()), ours(ids()))
+
+
+@pytest.mark.parametrize("head_dim", [None, 16])  # 16: Mistral-Nemo's kind, head_dim != hidden / heads
+def test_a_mistral_without_sliding_window_imports_with_its_logits_and_exports_as_llama(tmp_path: Path,
+                                                                                       head_dim) -> None:
+    """Mistral (v0.3, Nemo: ``sliding_window`` null) is Llama's function: imported, our model gives the
+    stock MistralForCausalLM's logits and greedy tokens; exported, it is a Llama with those logits."""
+    arch = stock.BY_TYPE["mistral"]
+    kwargs = stock.to_hf_config_kwargs(tiny("pre", tie=False, head_dim=head_dim), arch, eos_token_id=256)
+    torch.manual_seed(0)
+    theirs = transformers.MistralForCausalLM(transformers.MistralConfig(**kwargs, sliding_window=None)).eval()
+    random_gains(theirs)
+    theirs.save_pretrained(tmp_path / "hf")
+    from hybridnorm.hf.export import hf_tokenizer
+
+    hf_tokenizer(ByteTokenizer()).save_pretrained(tmp_path / "hf")
+    run = load_run(import_hf(tmp_path / "hf", tmp_path / "run"))
+    assert run.config.model.resolved_placement().name == "pre"
+    with torch.no_grad():
+        assert (run.model(ids()) - theirs(ids()).logits).abs().max().item() <= TOL
+    prompt = ids(1, 6)
+    want = theirs.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)
+    assert torch.equal(run.model.generate(prompt, 10, temperature=0), want)
+    assert export_model(run.model, tmp_path / "back").class_name == "LlamaForCausalLM"
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert (llama(ids()).logits - theirs(ids()).logits).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("window", [8, None])
+def test_a_mistral_with_a_sliding_window_is_refused_naming_it(tmp_path: Path, window) -> None:
+    """``sliding_window: 8`` and a config.json without the field (MistralConfig then reads 4096, as
+    transformers would compute with) are both refused before any weight is read."""
+    import json
+
+    from hybridnorm.errors import ConfigError
+
+    kwargs = stock.to_hf_config_kwargs(tiny("pre"), stock.BY_TYPE["mistral"], eos_token_id=256)
+    transformers.MistralConfig(**kwargs, sliding_window=window or 4096).save_pretrained(tmp_path / "hf")
+    if window is None:
+        cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+        del cfg["sliding_window"]
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=rf"config.json: mistral config: sliding-window .*sliding_window="
+                                          rf"{window or 4096}"):
+        load_hf(tmp_path / "hf")

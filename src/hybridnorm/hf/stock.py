@@ -8,6 +8,7 @@ the ``qk_norm`` preset, and HybridNorm* never pretends to be Llama:
 stock class    block (every layer identical)      Q/K norms        FFN
 =============  =================================  ===============  ===========================
 Llama          Pre-Norm                           none             SwiGLU
+Mistral (1)    Pre-Norm, no sliding window        none             SwiGLU
 Qwen3          Pre-Norm                           per head, d_h    SwiGLU
 Olmo2          reordered: x + N(G(x))             full width       SwiGLU
 Mixtral        Pre-Norm                           none             MoE, top-k renormalized
@@ -15,6 +16,8 @@ Qwen3Moe       Pre-Norm                           per head, d_h    MoE
 Olmoe          Pre-Norm                           full width       MoE
 FlexOlmo       reordered: x + N(G(x))             full width       MoE
 =============  =================================  ===============  ===========================
+
+(1) import only: the same function as Llama's, so an export writes Llama.
 
 Common conditions: RMSNorm, one ε everywhere, no embedding norm, a final norm, α = β = 1, no 1/√l norm
 scaling, Q/K normed before RoPE, no V or C norm. Weight layouts: our fused ``w_qkv`` rows are
@@ -69,6 +72,9 @@ class StockArch:
 
 ARCHS: tuple[StockArch, ...] = (
     StockArch("llama", "LlamaForCausalLM", "pre", "", False, True),
+    # after Llama, so an export picks Llama (match_stock takes the first class that fits): Mistral's class
+    # differs from Llama's only by its sliding window, which an import refuses when set
+    StockArch("mistral", "MistralForCausalLM", "pre", "", False, True),
     StockArch("qwen3", "Qwen3ForCausalLM", "pre", "head", False, True),
     StockArch("olmo2", "Olmo2ForCausalLM", "reordered", "full", False, False),
     StockArch("mixtral", "MixtralForCausalLM", "pre", "", True, True, renormalizes_topk=True),
@@ -175,8 +181,10 @@ def from_hf_config(cfg: Any) -> tuple[ModelConfig, StockArch]:
         raise ConfigError(f"{where}: attention_bias/mlp_bias are on; hybridnorm's projections have no bias")
     if _get(cfg, "clip_qkv") is not None:
         raise ConfigError(f"{where}: clip_qkv={_get(cfg, 'clip_qkv')} is not supported")
-    if _get(cfg, "use_sliding_window", False) or (arch.model_type == "mixtral" and _get(cfg, "sliding_window")):
-        raise ConfigError(f"{where}: sliding-window attention is not supported")
+    if _get(cfg, "use_sliding_window", False) or (arch.model_type in ("mixtral", "mistral")
+                                                  and _get(cfg, "sliding_window")):
+        raise ConfigError(f"{where}: sliding-window attention is not supported (sliding_window="
+                          f"{_get(cfg, 'sliding_window')})")
     try:
         theta, rope_scaling = from_rope_parameters(_get(cfg, "rope_parameters") or {})
     except ConfigError as e:
