@@ -175,3 +175,24 @@ def test_the_trainers_data_from_such_a_tokenizer_starts_each_document_with_its_b
     assert stream.count(tok.start_id) == stream.count(tok.eot_id) == len(docs)
     ends = [i for i, t in enumerate(stream) if t == tok.eot_id]
     assert all(stream[i + 1] == tok.start_id for i in ends[:-1])  # every document: BOS ... EOT
+
+
+def test_a_post_processor_naming_an_id_outside_the_vocabulary_is_one_error_naming_the_file(
+        folder: Path, tmp_path: Path, capsys) -> None:
+    """A template's special token carries its own id; one that is no token of the vocabulary would index
+    past the embedding (found: an IndexError traceback from ``generate``)."""
+    import json
+    import shutil
+
+    from hybridnorm.cli import main
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    tok = json.loads((bad / "tokenizer.json").read_text())
+    template = next(p for p in tok["post_processor"]["processors"] if p["type"] == "TemplateProcessing")
+    template["special_tokens"][BOS]["ids"] = [99_999]
+    (bad / "tokenizer.json").write_text(json.dumps(tok))
+    assert main(["generate", str(bad), "--prompt", PROMPT, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1
+    assert str(bad / "tokenizer.json") in err and "id 99999" in err

@@ -97,7 +97,7 @@ class BPETokenizer:
             raise ConfigError(f"tokenizer {source} has no end-of-text token "
                               f"(one of {', '.join(EOT_ALIASES)})")
         self.eot_id: int = next(i for i in ids if i is not None)
-        self.start_id: int = _start_id(hf, self.eot_id)
+        self.start_id: int = _start_id(hf, self.eot_id, source)
         self.fingerprint = hashlib.sha256(hf.to_str().encode()).hexdigest()
 
     def encode(self, text: str) -> list[int]:
@@ -114,7 +114,7 @@ class BPETokenizer:
         return atomic_write(Path(directory) / "tokenizer.json", self.hf.to_str())
 
 
-def _start_id(hf: object, eot_id: int) -> int:
+def _start_id(hf: object, eot_id: int, source: str) -> int:
     """The single token ``hf``'s post-processor adds before a text, else ``eot_id`` (none, or several)."""
     try:
         plain = hf.encode("a", add_special_tokens=False).ids
@@ -122,7 +122,12 @@ def _start_id(hf: object, eot_id: int) -> int:
     except Exception:  # a post-processor the Rust side cannot apply to one text: nothing is added then
         return eot_id
     lead = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
-    return full[0] if lead == 1 else eot_id
+    if lead != 1:
+        return eot_id
+    if hf.id_to_token(full[0]) is None:  # the template names its own ids: one may be no token at all
+        raise ConfigError(f"tokenizer {source}: its post-processor puts id {full[0]} before every text, which "
+                          f"is no token of its vocabulary ({hf.get_vocab_size(with_added_tokens=True)} tokens)")
+    return full[0]
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 8192) -> BPETokenizer:
