@@ -71,7 +71,7 @@ def test_generate_gives_a_greedy_loop_of_the_stock_model_on_transformers_tokens(
     assert done.stdout.rstrip("\n") == want
 
 
-def test_scores_equal_lm_eval_hflm_with_its_defaults(folder: Path) -> None:
+def test_multiple_choice_and_document_scores_equal_lm_eval_hflm(folder: Path) -> None:
     """Multiple choice (``loglikelihood``) requests scored by HFLM with its defaults (``add_bos_token`` None:
     the tokenizer's own, so each context starts with the BOS) and by our adapter on the folder's model; whole
     documents (``loglikelihood_rolling``, perplexity) by HFLM with ``add_bos_token=False`` and ours. With its
