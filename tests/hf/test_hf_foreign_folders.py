@@ -275,10 +275,10 @@ def test_a_folder_without_tokenizer_json_is_one_error_that_says_how_to_convert(l
 
 @pytest.mark.parametrize("command", ["import", "export"])
 @pytest.mark.parametrize(("field", "value"), [("attention_dropout", 0.1), ("router_jitter_noise", 0.3),
-                                              ("attention_dropout", 0.0)])
+                                              ("resid_pdrop", 0.1), ("attention_dropout", 0.0)])
 def test_a_training_only_field_left_behind_is_one_warning_naming_it(llama_dir, tmp_path: Path, command: str,
                                                                      field: str, value: float) -> None:
-    """Attention dropout and router jitter act only in training; TransformerLM has neither, so a folder that
+    """Dropout and router jitter act only in training; TransformerLM has neither, so a folder that
     sets one imports (or re-exports) with the same eval-mode function, and the run says what it left."""
     folder = tmp_path / "f"
     folder.mkdir()

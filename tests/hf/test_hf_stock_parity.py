@@ -180,15 +180,17 @@ def test_own_class_can_be_forced_and_loads_back(tmp_path: Path) -> None:
         assert torch.equal(model(ids()), ours(ids()))
 
 
-@pytest.mark.parametrize("head_dim", [None, 16])  # 16: Mistral-Nemo's kind, head_dim != hidden / heads
-def test_a_mistral_without_sliding_window_imports_with_its_logits_and_exports_as_llama(tmp_path: Path,
-                                                                                       head_dim) -> None:
-    """Mistral (v0.3, Nemo: ``sliding_window`` null) is Llama's function: imported, our model gives the
-    stock MistralForCausalLM's logits and greedy tokens; exported, it is a Llama with those logits."""
-    arch = stock.BY_TYPE["mistral"]
+@pytest.mark.parametrize(("model_type", "head_dim"), [("mistral", None), ("mistral", 16), ("phi3", None)])
+def test_a_llama_like_class_without_sliding_window_imports_with_its_logits_and_exports_as_llama(
+        tmp_path: Path, model_type: str, head_dim) -> None:
+    """Mistral (v0.3; Nemo, whose head_dim 16 here != hidden / heads) and Phi-3 (Phi-4: Q/K/V and gate/up
+    stored fused), with ``sliding_window`` null, are Llama's function: imported, our model gives the stock
+    class's logits and greedy tokens; exported, it is a Llama with those logits."""
+    arch = stock.BY_TYPE[model_type]
     kwargs = stock.to_hf_config_kwargs(tiny("pre", tie=False, head_dim=head_dim), arch, eos_token_id=256)
     torch.manual_seed(0)
-    theirs = transformers.MistralForCausalLM(transformers.MistralConfig(**kwargs, sliding_window=None)).eval()
+    config = stock.stock_config_class(arch)(**kwargs, sliding_window=None)
+    theirs = stock.stock_model_class(arch)(config).eval()
     random_gains(theirs)
     theirs.save_pretrained(tmp_path / "hf")
     from hybridnorm.hf.export import hf_tokenizer
@@ -207,20 +209,21 @@ def test_a_mistral_without_sliding_window_imports_with_its_logits_and_exports_as
         assert (llama(ids()).logits - theirs(ids()).logits).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("window", [8, None])
-def test_a_mistral_with_a_sliding_window_is_refused_naming_it(tmp_path: Path, window) -> None:
-    """``sliding_window: 8`` and a config.json without the field (MistralConfig then reads 4096, as
-    transformers would compute with) are both refused before any weight is read."""
+@pytest.mark.parametrize(("model_type", "window"), [("mistral", 8), ("mistral", None), ("phi3", 2047)])
+def test_a_sliding_window_is_refused_naming_it(tmp_path: Path, model_type: str, window) -> None:
+    """``sliding_window: 8`` (2047: Phi-3-mini-4k's) and a Mistral config.json without the field
+    (MistralConfig then reads 4096, as transformers would compute with) are refused before any weight."""
     import json
 
     from hybridnorm.errors import ConfigError
 
-    kwargs = stock.to_hf_config_kwargs(tiny("pre"), stock.BY_TYPE["mistral"], eos_token_id=256)
-    transformers.MistralConfig(**kwargs, sliding_window=window or 4096).save_pretrained(tmp_path / "hf")
+    arch = stock.BY_TYPE[model_type]
+    kwargs = stock.to_hf_config_kwargs(tiny("pre"), arch, eos_token_id=256)
+    stock.stock_config_class(arch)(**kwargs, sliding_window=window or 4096).save_pretrained(tmp_path / "hf")
     if window is None:
         cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
         del cfg["sliding_window"]
         (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=rf"config.json: mistral config: sliding-window .*sliding_window="
+    with pytest.raises(ConfigError, match=rf"config.json: {model_type} config: sliding-window .*sliding_window="
                                           rf"{window or 4096}"):
         load_hf(tmp_path / "hf")

@@ -7,7 +7,7 @@
   :mod:`~hybridnorm.hf.attention` plugs transformers' attention backends and caches into our attention,
   :mod:`~hybridnorm.hf.compat` holds the differences between supported transformers releases.
 - :mod:`~hybridnorm.hf.stock`: placements that stock architectures express exactly (Llama, Qwen3, OLMo-2,
-  Mixtral, Qwen3-MoE, OLMoE, FlexOlmo; Mistral for import) and the weight maps to and from them.
+  Mixtral, Qwen3-MoE, OLMoE, FlexOlmo; Mistral and Phi-3 for import) and the weight maps to and from them.
 - :mod:`~hybridnorm.hf.export`: ``hybridnorm export`` / ``hybridnorm import`` (runs <-> HF folders,
   tokenizer as ``PreTrainedTokenizerFast``).
 """

@@ -126,7 +126,7 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
 
 # config fields that act only while training (random noise in the forward), which TransformerLM has no
 # counterpart for: a folder read with one set is the same function in eval mode, but not in training
-TRAINING_ONLY_FIELDS = ("attention_dropout", "router_jitter_noise")
+TRAINING_ONLY_FIELDS = ("attention_dropout", "router_jitter_noise", "resid_pdrop", "embd_pdrop")
 
 
 def warn_training_only_fields(path: str | Path, written: str) -> None:

@@ -9,6 +9,7 @@ stock class    block (every layer identical)      Q/K norms        FFN
 =============  =================================  ===============  ===========================
 Llama          Pre-Norm                           none             SwiGLU
 Mistral (1)    Pre-Norm, no sliding window        none             SwiGLU
+Phi3 (1)       Pre-Norm, no sliding window        none             SwiGLU (fused, as Q/K/V)
 Qwen3          Pre-Norm                           per head, d_h    SwiGLU
 Olmo2          reordered: x + N(G(x))             full width       SwiGLU
 Mixtral        Pre-Norm                           none             MoE, top-k renormalized
@@ -17,7 +18,8 @@ Olmoe          Pre-Norm                           full width       MoE
 FlexOlmo       reordered: x + N(G(x))             full width       MoE
 =============  =================================  ===============  ===========================
 
-(1) import only: the same function as Llama's, so an export writes Llama.
+(1) import only: the same function as Llama's, so an export writes Llama. Phi-3 stores Q/K/V as one
+``qkv_proj`` and gate/up as one ``gate_up_proj``, in our fused layouts' order.
 
 Common conditions: RMSNorm, one ε everywhere, no embedding norm, a final norm, α = β = 1, no 1/√l norm
 scaling, Q/K normed before RoPE, no V or C norm. Weight layouts: our fused ``w_qkv`` rows are
@@ -54,6 +56,7 @@ class StockArch:
     free_head_dim: bool  # config.head_dim may differ from hidden_size / heads (else it is derived)
     # Mixtral always renormalizes the top-k gate weights; the others follow config.norm_topk_prob.
     renormalizes_topk: bool | None = None
+    fused: bool = False  # Q/K/V in one qkv_proj and gate/up in one gate_up_proj (Phi-3), as ours are
 
     @property
     def placement(self) -> Placement:
@@ -72,9 +75,10 @@ class StockArch:
 
 ARCHS: tuple[StockArch, ...] = (
     StockArch("llama", "LlamaForCausalLM", "pre", "", False, True),
-    # after Llama, so an export picks Llama (match_stock takes the first class that fits): Mistral's class
-    # differs from Llama's only by its sliding window, which an import refuses when set
+    # after Llama, so an export picks Llama (match_stock takes the first class that fits): Mistral's and
+    # Phi-3's classes compute Llama's function but for a sliding window, which an import refuses when set
     StockArch("mistral", "MistralForCausalLM", "pre", "", False, True),
+    StockArch("phi3", "Phi3ForCausalLM", "pre", "", False, False, fused=True),
     StockArch("qwen3", "Qwen3ForCausalLM", "pre", "head", False, True),
     StockArch("olmo2", "Olmo2ForCausalLM", "reordered", "full", False, False),
     StockArch("mixtral", "MixtralForCausalLM", "pre", "", True, True, renormalizes_topk=True),
@@ -181,7 +185,7 @@ def from_hf_config(cfg: Any) -> tuple[ModelConfig, StockArch]:
         raise ConfigError(f"{where}: attention_bias/mlp_bias are on; hybridnorm's projections have no bias")
     if _get(cfg, "clip_qkv") is not None:
         raise ConfigError(f"{where}: clip_qkv={_get(cfg, 'clip_qkv')} is not supported")
-    if _get(cfg, "use_sliding_window", False) or (arch.model_type in ("mixtral", "mistral")
+    if _get(cfg, "use_sliding_window", False) or (arch.model_type in ("mixtral", "mistral", "phi3")
                                                   and _get(cfg, "sliding_window")):
         raise ConfigError(f"{where}: sliding-window attention is not supported (sliding_window="
                           f"{_get(cfg, 'sliding_window')})")
@@ -242,6 +246,10 @@ def to_hf_state_dict(sd: dict[str, Tensor], mc: ModelConfig, arch: StockArch) ->
     for i in range(mc.n_layers):
         out.update({hf: sd[ours] for ours, hf in _layer_map(mc, arch, i)})
         hf = f"model.layers.{i}."
+        if arch.fused:
+            out[f"{hf}self_attn.qkv_proj.weight"] = sd[f"blocks.{i}.attn.w_qkv.weight"]
+            out[f"{hf}mlp.gate_up_proj.weight"] = sd[f"blocks.{i}.ffn.w_in.weight"]
+            continue
         q, k, v = sd[f"blocks.{i}.attn.w_qkv.weight"].split((H * D, Hkv * D, Hkv * D))
         out.update({f"{hf}self_attn.q_proj.weight": q, f"{hf}self_attn.k_proj.weight": k,
                     f"{hf}self_attn.v_proj.weight": v})
@@ -267,6 +275,10 @@ def from_hf_state_dict(sd: dict[str, Tensor], mc: ModelConfig, arch: StockArch) 
     for i in range(mc.n_layers):
         out.update({ours: take(hf) for ours, hf in _layer_map(mc, arch, i)})
         hf = f"model.layers.{i}."
+        if arch.fused:
+            out[f"blocks.{i}.attn.w_qkv.weight"] = take(f"{hf}self_attn.qkv_proj.weight")
+            out[f"blocks.{i}.ffn.w_in.weight"] = take(f"{hf}mlp.gate_up_proj.weight")
+            continue
         out[f"blocks.{i}.attn.w_qkv.weight"] = torch.cat([take(f"{hf}self_attn.{n}_proj.weight") for n in "qkv"])
         if arch.moe:
             out[f"blocks.{i}.ffn.w_in"] = take(f"{hf}mlp.experts.gate_up_proj").transpose(1, 2)
