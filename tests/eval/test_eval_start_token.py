@@ -15,13 +15,14 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-from bos_helpers import BOS, EOS, bos_folder, bos_tokenizer, texts  # tests/: a Llama-3-style folder
+from bos_helpers import BOS, EOS, bos_folder, bos_tokenizer  # tests/eval/: a Llama-3-style folder
+from eval_helpers import corpus_text
 
 from hybridnorm.data.tokenizer import BPETokenizer, ByteTokenizer, train_bpe
 from hybridnorm.data.tokens import open_tokens, tokenize_to_memmap
 from hybridnorm.loading import load_run
 
-PROMPT = "In the beginning god"
+PROMPT = "The lord said unto"
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_the_start_token_is_the_one_token_the_post_processor_puts_before_a_text(
 def test_our_tokenizers_start_from_their_end_of_text_token() -> None:
     from hybridnorm.hf.export import hf_tokenizer
 
-    bpe = train_bpe(texts(), vocab_size=300)
+    bpe = train_bpe(corpus_text(200).splitlines(), vocab_size=300)
     assert ByteTokenizer().start_id == ByteTokenizer().eot_id == 256
     assert bpe.start_id == bpe.eot_id
     exported = BPETokenizer(hf_tokenizer(bpe).backend_tokenizer)  # prepends <|endoftext|>: the same start
@@ -95,7 +96,7 @@ def test_multiple_choice_and_document_scores_equal_lm_eval_hflm(folder: Path) ->
     for x, y in zip(a, b, strict=True):
         assert x == pytest.approx(y, rel=1e-5, abs=1e-4)
 
-    docs = texts(5, seed=1)
+    docs = corpus_text(5, seed=1).splitlines()
     one_bos = HFLM(pretrained=str(folder), batch_size=4, device="cpu", add_bos_token=False)
     their_rolling = one_bos.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (d,), i)
                                                 for i, d in enumerate(docs)])
@@ -125,7 +126,7 @@ def test_an_imported_folder_exports_with_its_own_bos(folder: Path, tmp_path: Pat
 
 def test_training_documents_begin_with_the_bos_where_the_tokenizer_has_one(tmp_path: Path) -> None:
     tok = BPETokenizer(bos_tokenizer())
-    docs = texts(20, seed=2)
+    docs = corpus_text(20, seed=2).splitlines()
     meta = tokenize_to_memmap(docs, tok, tmp_path / "t.bin", chunk_docs=7)
     arr = open_tokens(tmp_path / "t.bin", vocab_size=tok.vocab_size, tokenizer_fingerprint=tok.fingerprint)
     want = [i for d in docs for i in (tok.start_id, *tok.encode(d), tok.eot_id)]
@@ -148,7 +149,7 @@ def test_an_exported_runs_documents_score_as_lm_eval_scores_them_with_one_bos(tm
 
     model = tiny_model(train_steps=20, pad_vocab_multiple=1)
     export_model(model, tmp_path / "hf", ByteTokenizer())
-    docs = [" ".join(texts(k, seed=3)) for k in (1, 2, 5)]
+    docs = [corpus_text(k, seed=3).replace("\n", " ") for k in (1, 2, 5)]
     hflm = HFLM(pretrained=str(tmp_path / "hf"), batch_size=4, device="cpu", add_bos_token=False)
     theirs = hflm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(docs)])
     with torch.no_grad():
@@ -165,7 +166,7 @@ def test_the_trainers_data_from_such_a_tokenizer_starts_each_document_with_its_b
 
     tok = BPETokenizer(bos_tokenizer())
     tok_file = tok.save(tmp_path)
-    docs = texts(60, seed=4)
+    docs = corpus_text(60, seed=4).splitlines()
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     data = prepare_data(str(corpus), tokenizer=str(tok_file), cache_dir=tmp_path / "cache")

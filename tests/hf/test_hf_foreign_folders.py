@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -108,9 +109,7 @@ def _import_err(argv: list[str], capsys) -> str:
 def test_config_json_is_checked_before_transformers_reads_it(llama_dir, tmp_path: Path, capsys, edit,
                                                              needle) -> None:
     folder = tmp_path / "f"
-    folder.mkdir()
-    for f in llama_dir[0].iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(llama_dir[0], folder)
     cfg = json.loads((folder / "config.json").read_text())
     edit(cfg)
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -130,9 +129,7 @@ def test_config_json_that_is_not_a_json_object_is_one_error(tmp_path: Path, caps
 
 def test_deeply_nested_config_json_is_one_error_line(llama_dir, tmp_path: Path, capsys) -> None:
     folder = tmp_path / "f"
-    folder.mkdir()
-    for f in llama_dir[0].iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(llama_dir[0], folder)
     cfg = json.loads((folder / "config.json").read_text())
     for depth in (200, 900, 5000):  # found by a walk; at about the recursion limit; past the JSON decoder's
         deep = json.dumps(cfg)[:-1] + ', "x": ' + '{"a": ' * depth + '{"auto_map": 1}' + "}" * (depth + 1)
@@ -211,9 +208,7 @@ def test_allow_pickle_still_never_runs_a_pickles_code(llama_dir, tmp_path: Path,
 def test_safetensors_win_over_pickles_and_shard_indexes_stay_in_the_folder(llama_dir, tmp_path: Path,
                                                                           capsys) -> None:
     folder = tmp_path / "both"
-    folder.mkdir()
-    for f in llama_dir[0].iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(llama_dir[0], folder)
     (folder / "training_args.bin").write_bytes(b"not even a pickle: never opened")
     assert main(["import", str(folder), "--out", str(tmp_path / "r")]) == 0  # no flag needed: .bin never read
     (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
@@ -231,9 +226,7 @@ def test_weights_that_are_not_the_configs_model_are_refused_not_randomly_filled(
     from safetensors.torch import save_file
 
     folder = tmp_path / "f"
-    folder.mkdir()
-    for f in llama_dir[0].iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(llama_dir[0], folder)
     if damage == "drop a weight":
         sd = load_file(folder / "model.safetensors")
         del sd["model.layers.1.mlp.up_proj.weight"]
@@ -281,9 +274,7 @@ def test_a_training_only_field_left_behind_is_one_warning_naming_it(llama_dir, t
     """Dropout and router jitter act only in training; TransformerLM has neither, so a folder that
     sets one imports (or re-exports) with the same eval-mode function, and the run says what it left."""
     folder = tmp_path / "f"
-    folder.mkdir()
-    for f in llama_dir[0].iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(llama_dir[0], folder)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
     out = tmp_path / "out"

@@ -203,6 +203,9 @@ def test_a_llama_like_class_without_sliding_window_imports_with_its_logits_and_e
     prompt = ids(1, 6)
     want = theirs.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)
     assert torch.equal(run.model.generate(prompt, 10, temperature=0), want)
+    mapped_back = stock.to_hf_state_dict(run.model.state_dict(), run.config.model, arch)  # the inverse map
+    assert mapped_back.keys() == theirs.state_dict().keys()
+    assert all(torch.equal(mapped_back[k], w) for k, w in theirs.state_dict().items())
     assert export_model(run.model, tmp_path / "back").class_name == "LlamaForCausalLM"
     llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():

@@ -5,17 +5,11 @@ started from the BOS and one started from the end-of-text token score measurably
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
+from eval_helpers import corpus_text
+
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-WORDS = ("in the beginning god created heaven and earth and the earth was without form and void and "
-         "darkness was upon the face of the deep").split()
-
-
-def texts(n: int = 200, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))).capitalize() + "." for _ in range(n)]
 
 
 def bos_tokenizer(template: str | None = f"{BOS} $A", vocab_size: int = 320):  # -> tokenizers.Tokenizer
@@ -25,7 +19,7 @@ def bos_tokenizer(template: str | None = f"{BOS} $A", vocab_size: int = 320):  #
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(texts(), trainers.BpeTrainer(
+    hf.train_from_iterator(corpus_text(200).splitlines(), trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[BOS, EOS, "<x>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if template is not None:
