@@ -70,7 +70,7 @@ class Settings:
     @classmethod
     def for_device(cls, device: str, size: str) -> Settings:
         if device.startswith("cuda"):  # the README's micro-batch and sequence; 2 micro-batches, 3 steps
-            return cls(size, 4096, 8, 2, 3, 256, 4096, 3, 10)
+            return cls(size, 4096, 8, 2, 3, 128, 4096, 3, 10)  # fsdp: the tiny model's max_seq_len
         return cls(size, 64, 2, 2, 3, 64, 64, 1, 2)
 
 
