@@ -50,15 +50,10 @@ from hybridnorm.nn.kernels.float8 import convert_to_float8
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import Dist
-from hybridnorm.train.flops import flops_per_token, measured_peak_flops
+from hybridnorm.train.flops import flops_per_token, gpu_datasheet_peak, measured_peak_flops
 from hybridnorm.train.host_sync import PendingSteps
 from hybridnorm.train.optim import OptimConfig, build_optimizer
 from hybridnorm.train.step import clip_gradients, forward_backward
-
-# Dense bf16 tensor-core peaks without sparsity, from NVIDIA's datasheets (FLOP/s), matched against
-# torch.cuda.get_device_name in this order.
-PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12))
-
 
 LOSSES = ("fast", "plain", "compiled")
 ON_OFF = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -134,11 +129,9 @@ def model_overrides(pairs: list[str]) -> dict[str, object]:
 
 def peak_flops(device: torch.device, measured: bool) -> tuple[float, str]:
     """The bf16 peak to compute MFU against, and where it comes from."""
-    if device.type == "cuda" and not measured:
-        name = torch.cuda.get_device_name(device)
-        for key, peak in PEAK_BF16:
-            if key in name:
-                return peak, f"datasheet dense bf16 of {name}"
+    known = None if measured else gpu_datasheet_peak(device, torch.bfloat16)  # the trainer's table (flops.py)
+    if known:
+        return known
     return measured_peak_flops(str(device), torch.bfloat16, 8192 if device.type == "cuda" else 1024), \
         "measured bf16 matmul"
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from train_helpers import read_metrics
 
 from hybridnorm.train import flops
+from hybridnorm.train.run import open_run
 from hybridnorm.train.trainer import train
 
 
@@ -44,3 +46,34 @@ def test_meta_records_the_peak_and_mfu_uses_it(make_cfg, tmp_path):
     assert meta["matmul_peak_flops"] == 1e12
     rows = [r for r in read_metrics(tmp_path / "run", "train") if "mfu" in r]
     assert rows and all(r["mfu"] > 0 for r in rows)
+
+
+def test_a_known_gpu_is_measured_against_its_datasheet_in_bf16_only():
+    """Names as torch.cuda.get_device_name gives them; PCIe and NVL H100s have lower clocks than SXM, and
+    GH200 carries an H100/H200-class GPU. fp32 and unknown GPUs fall back to a measured matmul (None)."""
+    peak = {name: flops.datasheet_peak(name, torch.bfloat16) for name in (
+        "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA GH200 480GB",
+        "NVIDIA A100-SXM4-80GB", "NVIDIA L4")}
+    assert {k: v and v[0] for k, v in peak.items()} == {
+        "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+        "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA L4": None}
+    assert peak["NVIDIA H200"][1] == "datasheet dense bf16 of NVIDIA H200"
+    assert flops.datasheet_peak("NVIDIA H100 80GB HBM3", torch.float32) is None
+    assert flops.gpu_datasheet_peak("cpu", torch.bfloat16) is None
+
+
+def test_on_a_known_gpu_the_run_reports_mfu_against_the_datasheet(make_cfg, tmp_path, monkeypatch, capsys):
+    """The trainer's wiring on the CPU, with the device lookup answering as an H200 would: the meta record
+    and the console name the datasheet peak, and MFU = tokens/s × FLOPs/token / 989e12 (the measured peak,
+    pinned at 1e12 by conftest, is not used)."""
+    import hybridnorm.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "gpu_datasheet_peak", lambda device, dtype: (989e12, "datasheet dense bf16 of X"))
+    train(make_cfg(tmp_path / "run", "--max_steps=2", "--log_interval=1"))
+    assert "MFU against 989 TFLOP/s (datasheet dense bf16 of X)" in capsys.readouterr().err
+    (meta,) = read_metrics(tmp_path / "run", "meta")
+    assert (meta["matmul_peak_flops"], meta["mfu_peak_source"]) == (989e12, "datasheet dense bf16 of X")
+    run = open_run(tmp_path / "run")  # the model as trained (its vocabulary is the tokenizer's)
+    fpt = flops.flops_per_token(run.model, run.config.seq_len)
+    rows = [r for r in read_metrics(tmp_path / "run", "train") if "mfu" in r]
+    assert rows and all(r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / 989e12, rel=1e-9) for r in rows)

@@ -8,8 +8,11 @@ N_matmul is every weight that takes part in a matmul for a token: all block weig
 top-k experts' share) plus the LM head (a tied head still multiplies), but not the embedding lookup. The
 attention term is QKᵀ and AV: 2 matmuls × 2 FLOPs × (T/2 keys on average under the causal mask) × d,
 times 3 for forward + backward (here d = n_heads · head_dim: d_model unless ``attn_head_dim`` is set).
-MFU = achieved FLOP/s ÷ the peak measured here with a large matmul in
-the run's precision — a peak measured on this machine, not a datasheet number. So that two runs' MFU
+MFU = achieved FLOP/s ÷ a peak. On a GPU whose datasheet we know (:data:`DATASHEET_PEAK_BF16`) and a bf16 run,
+the peak is the datasheet's dense bf16 number, as MFU is reported in the field (PaLM, OLMo-core,
+torchtitan): a timed matmul reaches well under it on a GPU (a 2048³ bf16 matmul on an H200 made a
+trainer run read 80 % "MFU" that is 35 % of the datasheet). Elsewhere (CPUs, fp32, unknown GPUs) the peak is
+measured here with a large matmul in the run's precision, not a datasheet number. So that two runs' MFU
 compare (one peak measured per run varied by 2× on a loaded machine), the peak is measured once per machine,
 device, dtype and thread count, as the median of several best-of rounds, and cached in a small JSON file
 (``$HYBRIDNORM_PEAK_CACHE``, default ``~/.cache/hybridnorm/matmul_peak.json``); the trainer records the
@@ -41,6 +44,30 @@ def matmul_params(model: nn.Module) -> int:
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     cfg = model.config
     return 6.0 * matmul_params(model) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+
+
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, FLOP/s, matched in this order
+# against torch.cuda.get_device_name ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA GH200 480GB", ...).
+DATASHEET_PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+                       ("H800", 989e12), ("A100", 312e12))
+
+
+def datasheet_peak(device_name: str, dtype: torch.dtype) -> tuple[float, str] | None:
+    """(dense bf16 datasheet FLOP/s, where it comes from) for a known GPU name and a bf16 run, else None."""
+    if dtype != torch.bfloat16:
+        return None
+    for key, peak in DATASHEET_PEAK_BF16:
+        if key in device_name:
+            return peak, f"datasheet dense bf16 of {device_name}"
+    return None
+
+
+def gpu_datasheet_peak(device: torch.device | str, dtype: torch.dtype) -> tuple[float, str] | None:
+    """:func:`datasheet_peak` of a CUDA ``device``; None on any other device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return datasheet_peak(torch.cuda.get_device_name(device), dtype)
 
 
 def matmul_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, n: int = 2048, reps: int = 5,

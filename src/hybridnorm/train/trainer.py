@@ -60,7 +60,7 @@ from hybridnorm.train.distributed import (
     init_distributed,
     resolve_device,
 )
-from hybridnorm.train.flops import flops_per_token, measured_peak_flops
+from hybridnorm.train.flops import flops_per_token, gpu_datasheet_peak, measured_peak_flops
 from hybridnorm.train.host_sync import PendingSteps, StepRecord, deferred
 from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, set_lr, short_warmup_note
@@ -96,10 +96,12 @@ def _prepare_data(cfg: TrainConfig, d: Dist) -> PreparedData:
 
 
 def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data: PreparedData, step: int,
-                ckpt: Path | None, train_n: int, val_n: int, ran_on: dict[str, Any], peak: float) -> None:
+                ckpt: Path | None, train_n: int, val_n: int, ran_on: dict[str, Any], peak: float,
+                peak_source: str) -> None:
     log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
                 f"vocab {cfg.model.vocab_size}; data: {cfg.data.source} ({train_n:,} train / {val_n:,} val tokens); "
                 f"unigram entropy {data.stats.unigram_entropy:.3f} nats" + (f"; resumed from {ckpt}" if ckpt else ""))
+    log.message(f"MFU against {peak / 1e12:,.3g} TFLOP/s ({peak_source})")
     # what a reader of metrics.jsonl needs to judge the run without the data: the baseline a model that
     # ignores context reaches (the unigram cross-entropy of val) and what was actually built
     log.log(step, {"placement": cfg.model.resolved_placement().name, "init": cfg.model.resolved_init(),
@@ -107,7 +109,8 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
                    "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
                    "train_tokens_available": train_n, "val_tokens_available": val_n,
                    "code": code_versions(), "hardware": ran_on,
-                   "matmul_peak_flops": peak}, "meta")  # MFU's denominator (per-machine cache: flops.py)
+                   "matmul_peak_flops": peak, "mfu_peak_source": peak_source},
+            "meta")  # MFU's denominator: a GPU's datasheet, else measured (per-machine cache: flops.py)
 
 
 def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.device, d: Dist) -> torch.nn.Module:
@@ -207,10 +210,13 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         data.tokenizer.save(run_dir)
         run_files = {name: (run_dir / name).read_bytes() for name in RUN_FILES}
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
-    peak = measured_peak_flops(str(device), torch.bfloat16 if cfg.precision == "bf16" else torch.float32)
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    # a GPU's datasheet peak where known (flops.py: a timed matmul reads far under it on a GPU), else measured
+    peak, peak_source = gpu_datasheet_peak(device, dtype) or (
+        measured_peak_flops(str(device), dtype, 8192 if device.type == "cuda" else 2048), "measured matmul")
     peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens),
-                hardware(device, d.world_size), peak)
+                hardware(device, d.world_size), peak, peak_source)
     float8 = "; float8 matmuls in the blocks' linears" if cfg.float8 else ""
     log.message(f"precision: {precision} ({why}){float8}; AdamW: {describe_optimizer(optimizer)}")
     log.message(split.describe(d.world_size) + (" (derived to keep the global batch)" if split.changed else ""))
