@@ -48,6 +48,7 @@ import gpu_check_steps as steps
 import gpu_mfu
 import torch
 
+from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.plan import PlanOptions, plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,8 +115,13 @@ def _free_memory() -> None:
 def _plan_gib(size: str, placement: str, seq: int, batch: int, ac: bool, gpu_gib: float) -> float:
     """``hybridnorm plan``'s bytes for one process (its DDP row: no sharding) at this micro-batch."""
     mode = plan(PlanOptions(size=size, gpus=1, gpu_mem=gpu_gib, seq_len=seq, micro_batch=batch,
-                            precision="bf16", placement=placement, headroom=0.0)).modes[0]
+                            precision="bf16", placement=placement, headroom=0.0, loss="compiled")).modes[0]
     return (mode.states + (mode.act_ckpt if ac else mode.act)) / 2**30
+
+
+def head_loss(device: str) -> str:
+    """The LM head + loss the trainer runs under --compile=true here (TrainConfig.head_loss=auto)."""
+    return "compiled" if TrainConfig(compile=True).compiles_head_loss(torch.device(device).type) else "fast"
 
 
 def mfu(ctx: Context) -> steps.Result:
@@ -126,7 +132,7 @@ def mfu(ctx: Context) -> steps.Result:
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
     for placement in ("hybridnorm_star", "pre"):
         mode = plan(PlanOptions(size=s.size, gpus=1, gpu_mem=gpu_gib, seq_len=s.mfu_seq, precision="bf16",
-                                placement=placement)).modes[0] if device.type == "cuda" else None
+                                placement=placement, loss="compiled")).modes[0] if device.type == "cuda" else None
         for ac in (False, True):
             if mode is not None:
                 batch = min(ctx.args.mfu_max_batch, mode.max_micro_batch_ckpt if ac else mode.max_micro_batch)
@@ -136,7 +142,7 @@ def mfu(ctx: Context) -> steps.Result:
                                    "peak_source": source, "oom_at": []}
             while batch >= 1 and time.monotonic() < ctx.deadline:
                 ns = argparse.Namespace(size=s.size, batch=batch, seq=s.mfu_seq, steps=s.mfu_steps,
-                                        warmup=s.mfu_warmup, no_compile=False)
+                                        warmup=s.mfu_warmup, no_compile=False, loss=head_loss(ctx.device))
                 try:
                     r = gpu_mfu.measure(ns, placement, ac, device)
                 except torch.OutOfMemoryError:

@@ -47,7 +47,7 @@ import yaml
 
 import hybridnorm as hn
 from hybridnorm.nn.kernels.float8 import convert_to_float8
-from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks
+from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_head_loss
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import Dist
 from hybridnorm.train.flops import flops_per_token, gpu_datasheet_peak, measured_peak_flops
@@ -76,12 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one compiles)")
     p.add_argument("--no-compile", action="store_true", help="eager blocks (for comparison)")
-    p.add_argument("--loss", type=_choice_list(LOSSES), default=["fast"],
-                   help="LM head + loss: fast = the head fused with a chunked cross-entropy, no logits tensor "
-                        "(the trainer's default, fast_kernels=true); plain = F.linear, then F.cross_entropy on an "
-                        "fp32 copy (fast_kernels=false); compiled = the plain line "
-                        "under torch.compile (measured here only: not a trainer option yet); a comma list "
-                        "measures each")
+    p.add_argument("--loss", type=_choice_list(LOSSES), default=["compiled"],
+                   help="LM head + loss: compiled = the plain line under torch.compile (compile_head_loss: the "
+                        "trainer's on a GPU under --compile=true, head_loss=auto); fast = the head fused with a "
+                        "chunked cross-entropy, no logits tensor (eager, fast_kernels=true); plain = F.linear, "
+                        "then F.cross_entropy on an fp32 copy (fast_kernels=false); a comma list measures each")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="after timing each configuration, torch.profiler --profile-steps more steps and write "
                         "where they go (step_profile.py: by category, busiest kernels, idle share) to "
@@ -148,9 +147,9 @@ def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.de
             profile: int = 0) -> dict[str, Any]:
     """Tokens/s and peak memory of the trainer's step for one configuration (``args.batch``: one int,
     ``args.loss``: one name); with ``profile`` > 0, that many more steps under torch.profiler as "profile"."""
-    loss = getattr(args, "loss", "fast")
+    loss = getattr(args, "loss", "compiled")
     mcfg = hn.ModelConfig.from_preset(args.size, **model_overrides(getattr(args, "set", [])), placement=placement,
-                                      fast_kernels=loss == "fast")
+                                      fast_kernels=loss != "plain")
     float8 = getattr(args, "float8", False) is True  # one configuration's value (main passes a bool)
     cfg = TrainConfig(model=mcfg, batch_size=args.batch, seq_len=args.seq, precision="bf16",
                       optim=OptimConfig(lr=1e-4, warmup_steps=0), device=str(device), compile=not args.no_compile,
@@ -162,8 +161,8 @@ def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.de
     checkpoint_blocks(model, ac)
     if cfg.compile:
         compile_blocks(model)
-    if loss == "compiled":  # the head's matmul and the loss in one compiled region (instance attribute)
-        model._loss = torch.compile(model._loss)
+    if loss == "compiled":  # the head's matmul and the loss in one compiled region, as the trainer does
+        compile_head_loss(model)
     optimizer = build_optimizer(model, cfg.optim, fused=True)
     pending = PendingSteps(True)
     pending.attach(optimizer, device)

@@ -126,7 +126,9 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     m.add_argument("--global-batch-tokens", type=int, default=4 * 2**20, help="target tokens per step")
     m.add_argument("--precision", default="bf16", help="bf16 (autocast) or fp32")
     m.add_argument("--placement", default="hybridnorm_star")
-    m.add_argument("--loss", default="fast", help="LM head + loss: fast (fused) or plain (fast_kernels=false)")
+    m.add_argument("--loss", default="compiled",
+                   help="LM head + loss: compiled (the trainer's on a GPU under --compile=true), fast (the fused "
+                        "kernel, uncompiled) or plain (fast_kernels=false)")
     m.set_defaults(func=commands["plan"])
     # the options each config-taking command owns: any other --key is a config override
     ap.own_options = {name: set(sub.choices[name]._option_string_actions) for name in ("train", "compare", "sweep")}

@@ -67,3 +67,35 @@ def test_compile_flag_compiles_each_block_structure_once_for_the_run(make_cfg, t
     # the graphs compute op for op what eager mode does: the same run, bit for bit
     trainer.train(make_cfg(tmp_path / "plain", *common))
     _same_runs(tmp_path / "plain", tmp_path / "compiled", 6)
+
+
+def test_head_loss_compiled_adds_one_graph_and_trains_bitwise_like_the_plain_run(make_cfg, tmp_path, monkeypatch,
+                                                                                  dynamo):
+    """``--head_loss=compiled`` (what ``auto`` picks on CUDA under --compile=true) on the CPU: the blocks'
+    graphs plus one for the LM head + loss, none recompiled over 6 steps and 2 evaluations, and the traced
+    graphs compute what the eager plain run computes, bit for bit (losses, grad norms, checkpoint files)."""
+    from hybridnorm.nn.regional import compile_head_loss
+
+    counter = CompileCounter()
+    monkeypatch.setattr(trainer, "compile_blocks", lambda model: compile_blocks(model, backend=counter))
+    monkeypatch.setattr(trainer, "compile_head_loss", lambda model: compile_head_loss(model, backend=counter))
+    common = ("--max_steps=6", "--eval_interval=3", "--model.fast_kernels=false")
+    trainer.train(make_cfg(tmp_path / "compiled", *common, "--compile=true", "--head_loss=compiled"))
+    assert counter.frame_count == 3 and dict(counters["graph_break"]) == {}
+    logged = [(r["compile/frames"], r["compile/graphs"]) for r in read_metrics(tmp_path / "compiled") if "loss" in r]
+    assert logged == [(3, 3)] * 6
+    trainer.train(make_cfg(tmp_path / "plain", *common))
+    _same_runs(tmp_path / "plain", tmp_path / "compiled", 6)
+
+
+@pytest.mark.parametrize(("head_loss", "compile", "device", "compiled"), [
+    ("auto", True, "cuda", True), ("auto", False, "cuda", False), ("auto", True, "cpu", False),
+    ("compiled", False, "cpu", True), ("eager", True, "cuda", False)])
+def test_which_runs_compile_the_head_loss(head_loss, compile, device, compiled):
+    cfg = trainer.TrainConfig(head_loss=head_loss, compile=compile)
+    assert cfg.compiles_head_loss(device) is compiled
+
+
+def test_a_bad_head_loss_names_the_field_and_the_choices():
+    with pytest.raises(trainer.ConfigError, match=r"head_loss.*'auto', 'eager', 'compiled'"):
+        trainer.TrainConfig.from_dict({"head_loss": "fused"})

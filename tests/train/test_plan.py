@@ -200,7 +200,7 @@ def test_cli_plan_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     (["--size", "3b"], "size '3b'"),
     (["--precision", "fp16"], "--precision"),
     (["--micro-batch", "0"], "--micro-batch=0"),
-    (["--loss", "chunky"], "--loss='chunky' is not one of 'fast', 'plain'"),
+    (["--loss", "chunky"], "--loss='chunky' is not one of 'compiled', 'fast', 'plain'"),
     (["--size", "tiny", "--seq-len", "4096"], "max_seq_len"),
 ])
 def test_cli_plan_bad_options(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

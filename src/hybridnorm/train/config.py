@@ -69,6 +69,10 @@ class TrainConfig(Config):
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # bf16: autocast; auto: bf16 where it is faster
                                               # on this device (hybridnorm.train.precision), fp32 elsewhere
     compile: bool = False                     # torch.compile each block (hybridnorm.nn.regional): compiles once
+    head_loss: Literal["auto", "eager", "compiled"] = "auto"  # the LM head + loss: eager = the model's own
+                                              # (fused kernel, no logits kept); compiled = the plain line under
+                                              # torch.compile (faster on a GPU, keeps bf16 logits: nn/regional.py);
+                                              # auto: compiled on CUDA with compile=true, else eager
     activation_checkpointing: bool = False    # recompute each block's activations in backward: less memory,
                                               # about one more forward of the blocks per step
     float8: bool = False                      # the blocks' four big linears in float8 (nn/kernels/float8.py):
@@ -109,6 +113,13 @@ class TrainConfig(Config):
         if self.parallel_replicate > 1 and self.parallel != "fsdp":
             raise ConfigError(f"parallel_replicate={self.parallel_replicate} needs parallel='fsdp' (HSDP: "
                               "replicas of a sharded model)")
+
+    def compiles_head_loss(self, device_type: str) -> bool:
+        """Whether the trainer compiles the LM head + loss (``head_loss``; auto: on CUDA under compile=true,
+        where it measured faster than the fused kernel, hybridnorm.nn.regional.compile_head_loss)."""
+        if self.head_loss == "auto":
+            return self.compile and device_type == "cuda"
+        return self.head_loss == "compiled"
 
     @property
     def tokens_per_step(self) -> int:

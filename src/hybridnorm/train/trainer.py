@@ -36,7 +36,7 @@ from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.kernels.float8 import convert_to_float8, float8_unsupported
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_counts
+from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_counts, compile_head_loss
 from hybridnorm.train.batch_split import per_step_state, resolve_split
 from hybridnorm.train.checkpoint import (
     RUN_FILES,
@@ -122,6 +122,8 @@ def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.dev
     shard_model(model, cfg, device, d)
     checkpoint_blocks(model, cfg.activation_checkpointing)
     step_model: torch.nn.Module = compile_blocks(model) if cfg.compile else model  # in place, per block
+    if cfg.compiles_head_loss(device.type):
+        compile_head_loss(model)  # in place: the model's own _loss, so DDP / FSDP call it too
     return data_parallel(step_model, model, cfg, device, d)  # DDP, FSDP's no_sync adapter, or itself
 
 
@@ -218,7 +220,8 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens),
                 hardware(device, d.world_size), peak, peak_source)
     float8 = "; float8 matmuls in the blocks' linears" if cfg.float8 else ""
-    log.message(f"precision: {precision} ({why}){float8}; AdamW: {describe_optimizer(optimizer)}")
+    head = "; LM head + loss compiled" if cfg.compiles_head_loss(device.type) else ""
+    log.message(f"precision: {precision} ({why}){float8}{head}; AdamW: {describe_optimizer(optimizer)}")
     log.message(split.describe(d.world_size) + (" (derived to keep the global batch)" if split.changed else ""))
     if (note := short_warmup_note(cfg.optim, cfg.max_steps)) is not None:
         log.message(f"note: {note}")
