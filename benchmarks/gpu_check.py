@@ -82,6 +82,7 @@ class Context:
         self.runs: dict[tuple[str, bool], Path | None] = {}
         self.mfu_rows: list[dict[str, Any]] = []
         self.results: dict[str, dict[str, Any]] = {}  # finished checks, in CHECKS order when written
+        self.commit, self.dirty, self.dirty_files = "unknown", False, []  # set by main from git
         self.deadline = time.monotonic() + args.budget_s
 
     def sh(self, cmd: list[str], name: str, limit: float = 240) -> tuple[int, str]:
@@ -221,7 +222,8 @@ def _git(*args: str) -> str:
 def write_report(ctx: Context) -> None:
     order = [n for n, _ in CHECKS]
     results = dict(sorted(ctx.results.items(), key=lambda kv: order.index(kv[0])))
-    doc = {"commit": ctx.commit, "dirty": ctx.dirty, "started": ctx.started, "device": ctx.device,
+    doc = {"commit": ctx.commit, "dirty": ctx.dirty, "dirty_files": ctx.dirty_files[:50], "started": ctx.started,
+           "device": ctx.device,
            "argv": sys.argv[1:], "checks": results, "mfu": ctx.mfu_rows}
     (ctx.out / "gpu_check.json").write_text(json.dumps(doc, indent=1, default=str), encoding="utf-8")
     env = results.get("environment", {}).get("details", {})
@@ -277,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(args, out, work)
         # the sitting script names the code commit (the device copy may have no .git, or a later HEAD)
         ctx.commit = os.environ.get("HYBRIDNORM_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
-        ctx.dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+        # tracked files that differ from the named commit where the copy's .git has it, else from its HEAD (on
+        # a warm lent machine the copy's .git kept an older HEAD: its status flagged a clean tree as changed)
+        base = ctx.commit if _git("cat-file", "-t", ctx.commit) == "commit" else _git("rev-parse", "HEAD")
+        ctx.dirty_files = _git("diff", "--name-only", base).splitlines() if base else []
+        ctx.dirty = bool(ctx.dirty_files)
         ctx.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         results = ctx.results
         old = out / "gpu_check.json"

@@ -4,7 +4,7 @@ that trains a step in milliseconds. Helpers for test modules live in ``train_hel
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,18 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     cache = tmp_path_factory.mktemp("cache")
     prepare_data(str(corpus), tokenizer="bytes", cache_dir=cache)  # warm: runs and subprocesses reuse it
     return cache
+
+
+@pytest.fixture
+def dynamo() -> Iterator[None]:
+    """A clean dynamo for tests that count graphs: compiled code caches (Block.forward's is shared by every
+    test in the process) and counters reset before and after."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture

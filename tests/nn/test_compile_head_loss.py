@@ -20,14 +20,6 @@ import hybridnorm as hn
 from hybridnorm.nn.regional import compile_head_loss
 
 
-@pytest.fixture
-def dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def _model(*, tied: bool = True) -> hn.TransformerLM:
     torch.manual_seed(0)
     cfg = hn.ModelConfig.from_preset("tiny", n_layers=2, tie_embeddings=tied)

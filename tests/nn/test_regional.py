@@ -124,14 +124,6 @@ def test_recompute_fires_hooks_again_but_diagnostics_count_once(moe, early_stop)
 
 # -- regional compilation ---------------------------------------------------------------------------------
 
-@pytest.fixture
-def dynamo():
-    torch._dynamo.reset()  # Block.forward's cache is shared by every test in the process
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def _train_steps(model: hn.TransformerLM, steps: int = 3) -> list[torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     losses = []

@@ -41,14 +41,6 @@ def test_activation_checkpointing_trains_bitwise_like_the_plain_run(make_cfg, tm
     assert diag(tmp_path / "plain") == diag(tmp_path / "ckpt")
 
 
-@pytest.fixture
-def dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def test_compile_flag_compiles_each_block_structure_once_for_the_run(make_cfg, tmp_path, monkeypatch, dynamo):
     counter = CompileCounter()  # records the graphs, runs them as traced (no code generation: a quick test)
     monkeypatch.setattr(trainer, "compile_blocks", lambda model: compile_blocks(model, backend=counter))
