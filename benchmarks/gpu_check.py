@@ -48,7 +48,6 @@ import gpu_check_steps as steps
 import gpu_mfu
 import torch
 
-from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.plan import PlanOptions, plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,16 +112,11 @@ def _free_memory() -> None:
 
 # -- speed and memory ------------------------------------------------------------------------------------------
 
-def _plan_gib(size: str, placement: str, seq: int, batch: int, ac: bool, gpu_gib: float) -> float:
+def _plan_gib(size: str, placement: str, seq: int, batch: int, ac: bool, gpu_gib: float, loss: str) -> float:
     """``hybridnorm plan``'s bytes for one process (its DDP row: no sharding) at this micro-batch."""
     mode = plan(PlanOptions(size=size, gpus=1, gpu_mem=gpu_gib, seq_len=seq, micro_batch=batch,
-                            precision="bf16", placement=placement, headroom=0.0, loss="compiled")).modes[0]
+                            precision="bf16", placement=placement, headroom=0.0, loss=loss)).modes[0]
     return (mode.states + (mode.act_ckpt if ac else mode.act)) / 2**30
-
-
-def head_loss(device: str) -> str:
-    """The LM head + loss the trainer runs under --compile=true here (TrainConfig.head_loss=auto)."""
-    return "compiled" if TrainConfig(compile=True).compiles_head_loss(torch.device(device).type) else "fast"
 
 
 def mfu(ctx: Context) -> steps.Result:
@@ -131,9 +125,10 @@ def mfu(ctx: Context) -> steps.Result:
     s, device = ctx.settings, torch.device(ctx.device)
     peak, source = gpu_mfu.peak_flops(device, False)
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
+    loss = steps.head_loss(ctx.device)  # what the trainer runs here: measured, and planned for, alike
     for placement in ("hybridnorm_star", "pre"):
         mode = plan(PlanOptions(size=s.size, gpus=1, gpu_mem=gpu_gib, seq_len=s.mfu_seq, precision="bf16",
-                                placement=placement, loss="compiled")).modes[0] if device.type == "cuda" else None
+                                placement=placement, loss=loss)).modes[0] if device.type == "cuda" else None
         for ac in (False, True):
             if mode is not None:
                 batch = min(ctx.args.mfu_max_batch, mode.max_micro_batch_ckpt if ac else mode.max_micro_batch)
@@ -143,7 +138,7 @@ def mfu(ctx: Context) -> steps.Result:
                                    "peak_source": source, "oom_at": []}
             while batch >= 1 and time.monotonic() < ctx.deadline:
                 ns = argparse.Namespace(size=s.size, batch=batch, seq=s.mfu_seq, steps=s.mfu_steps,
-                                        warmup=s.mfu_warmup, no_compile=False, loss=head_loss(ctx.device))
+                                        warmup=s.mfu_warmup, no_compile=False, loss=loss)
                 try:
                     r = gpu_mfu.measure(ns, placement, ac, device)
                 except torch.OutOfMemoryError:
@@ -155,7 +150,7 @@ def mfu(ctx: Context) -> steps.Result:
                     continue
                 row.update(r, batch=batch, mfu=r["tokens_per_s"] * r["flops_per_token"] / peak)
                 if device.type == "cuda":
-                    row["plan_gib"] = _plan_gib(s.size, placement, s.mfu_seq, batch, ac, gpu_gib)
+                    row["plan_gib"] = _plan_gib(s.size, placement, s.mfu_seq, batch, ac, gpu_gib, loss)
                 break
             _free_memory()
             ctx.mfu_rows.append(row)

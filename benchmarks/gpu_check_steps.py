@@ -138,12 +138,17 @@ def cuda_tests(ctx: Any) -> Result:
 
 # -- the README's GPU command at reduced steps ---------------------------------------------------------------
 
+def head_loss(device: str) -> str:
+    """The LM head + loss the trainer runs under --compile=true on ``device`` (TrainConfig.head_loss=auto), as
+    gpu_mfu's and the planner's ``loss`` name it: "compiled" on CUDA, else the eager fused kernel, "fast"."""
+    return "compiled" if TrainConfig(compile=True).compiles_head_loss(torch.device(device).type) else "fast"
+
+
 def expected_graphs(size: str, placement: str, device: str) -> int:
     """Block structures of a model: regional compile makes one graph for each (HybridNorm*: 2), and one more
-    for the LM head + loss where the trainer compiles it (on CUDA: TrainConfig.head_loss=auto)."""
+    for the LM head + loss where the trainer compiles it (:func:`head_loss`)."""
     mc = hn.ModelConfig.from_preset(size, placement=placement)
-    head = TrainConfig(compile=True).compiles_head_loss(torch.device(device).type)
-    return len(set(mc.resolved_placement().blocks(mc.n_layers))) + int(head)
+    return len(set(mc.resolved_placement().blocks(mc.n_layers))) + int(head_loss(device) == "compiled")
 
 
 def train_run(ctx: Any, placement: str, ac: bool) -> Result:
