@@ -25,6 +25,23 @@ def test_moe_preset_param_counts():
     assert model.num_params(active=True) / 1e9 == pytest.approx(1.3, abs=0.05)  # top-8 of 64 active
 
 
+def test_one_gpu_moe_preset_is_moe_1b_7b_with_16_experts():
+    """moe-1b-2b: every field of MoE-1B-7B but the expert count, so a token's compute is the same; the
+    counts by hand: 16 layers x (attention 4 x 2048^2 + 16 experts x 3 x 2048 x 1024 + router 16 x 2048) plus
+    untied embedding and head 2 x 50304 x 2048 plus the norms (two per layer, 3 x 128 per-head and a final)."""
+    small, big = (ModelConfig.from_preset(s, placement="hybridnorm_star") for s in ("moe-1b-2b", "moe-1b-7b"))
+    assert (small.moe.num_experts, small.moe.top_k, big.moe.num_experts) == (16, 8, 64)
+    assert {k: v for k, v in small.to_dict().items() if k != "moe"} == {
+        k: v for k, v in big.to_dict().items() if k != "moe"}
+    model = small.build("meta")
+    d, layers, experts = 2048, 16, 16
+    by_hand = layers * (4 * d * d + experts * 3 * d * 1024 + experts * d) + 2 * 50304 * d
+    norms = sum(p.numel() for n, p in model.named_parameters() if n.endswith("norm.weight"))
+    assert model.num_params() == by_hand + norms
+    # top 8 either way: the same active experts; only the router, which every token uses, is narrower
+    assert big.build("meta").num_params(active=True) - model.num_params(active=True) == layers * (64 - 16) * d
+
+
 def test_embedding_padding():
     cfg = ModelConfig.from_preset("151m")
     assert (cfg.vocab_size, cfg.embedding_size) == (100278, 100352)

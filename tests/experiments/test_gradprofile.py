@@ -159,3 +159,14 @@ def test_bad_arguments_through_the_cli_are_one_error_line(argv, says, tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: hybridnorm gradprofile: ") and says in err and err.count("\n") == 1, err
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("size", ["550m", "543m-deep", "moe-1b-7b", "moe-1b-2b", "tiny-moe"])
+def test_a_run_is_labelled_with_the_preset_it_was_built_from(size):
+    from hybridnorm.config import ModelConfig
+    from hybridnorm.train.config import TrainConfig
+
+    cfg = TrainConfig(model=ModelConfig.from_preset(size, placement="pre"), seq_len=64)
+    assert figure2.size_of(cfg) == size  # the two 16-layer MoEs differ only in their expert count
+    wider = TrainConfig(model=ModelConfig.from_preset(size, placement="pre", ffn_hidden_size=96), seq_len=64)
+    assert figure2.size_of(wider) == "custom"

@@ -187,6 +187,14 @@ def test_grad_accum_reaches_the_global_batch() -> None:
     assert "FSDP" in format_plan(pl) and f"{pl.budget / GIB:.2f} GiB usable" in format_plan(pl)
 
 
+def test_the_one_gpu_moe_preset_fits_80_gb_where_moe_1b_7b_does_not(capsys: pytest.CaptureFixture[str]) -> None:
+    # MoE-1B-7B's 6.9B parameters x 16 bytes (fp32 weights, gradients, AdamW's two moments) exceed 80 GB alone
+    assert cli.main(["plan", "--size", "moe-1b-7b", "--gpus", "1", "--gpu-mem", "80"]) == 2
+    assert "nothing fits" in capsys.readouterr().err
+    one = plan(PlanOptions(size="moe-1b-2b", gpus=1, gpu_mem=80, seq_len=4096))
+    assert one.modes[0].max_micro_batch >= 1 and one.modes[1].max_micro_batch >= 1  # DDP and FSDP
+
+
 def test_cli_plan_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan", "--size", "1.2b", "--gpus", "8", "--gpu-mem", "80", "--seq-len", "4096"]) == 0
     out = capsys.readouterr().out

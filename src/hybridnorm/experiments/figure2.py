@@ -44,8 +44,10 @@ def load(path: Path) -> list[dict[str, Any]]:
 def size_of(cfg: TrainConfig) -> str:
     """The size preset whose width and depth the run's model has (``custom`` if none)."""
     m = cfg.model
-    return next((name for name, p in SIZES.items() if (p["d_model"], p["n_layers"], p["ffn_hidden_size"], "moe" in p)
-                 == (m.d_model, m.n_layers, m.ffn_hidden_size, m.moe is not None)), "custom")
+    experts = m.moe.num_experts if m.moe is not None else None  # moe-1b-7b and moe-1b-2b differ only there
+    return next((name for name, p in SIZES.items() if (p["d_model"], p["n_layers"], p["ffn_hidden_size"],
+                                                       p.get("moe", {}).get("num_experts"))
+                 == (m.d_model, m.n_layers, m.ffn_hidden_size, experts)), "custom")
 
 
 def from_runs(root: Path, step: int) -> list[dict[str, Any]]:
