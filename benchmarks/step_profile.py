@@ -121,7 +121,8 @@ def device_records(results: Any, function_events: Iterable[Any]) -> tuple[list[R
     categories at 124 % of the kernel time. Here the kernels are ``results``' device activities (one per
     interval and stream), and of the CPU events holding the linked id the launcher is the one whose time
     contains the runtime call that launched the kernel (same CUPTI correlation id). Device-side user
-    annotations (spans of a ``record_function`` on the GPU timeline) are not kernels and are left out."""
+    annotations (spans of a ``record_function`` on the GPU timeline) and synchronizations are not work and
+    are left out, of the kernel time and of the busy time."""
     cpu = torch.autograd.DeviceType.CPU
     start = results.trace_start_ns()
     launched_at: dict[int, float] = {}  # CUPTI correlation id -> start of the runtime call, us from trace start
@@ -132,7 +133,7 @@ def device_records(results: Any, function_events: Iterable[Any]) -> tuple[list[R
         if k.device_type() == cpu:
             if k.linked_correlation_id() > 0:  # a runtime / driver call, linked to the operator that made it
                 launched_at[k.correlation_id()] = (k.start_ns() - start) / 1e3
-        elif not _flag(k, "is_user_annotation"):
+        elif _is_work(k):
             kernels.setdefault((k.device_index(), k.device_resource_id(), k.start_ns(), k.end_ns(), k.name()), k)
     by_id: dict[int, list[Any]] = {}
     for e in function_events:
@@ -153,6 +154,19 @@ def _launcher(candidates: list[Any], launched_at: float | None) -> Any:
         if around:
             return max(around, key=lambda e: e.time_range.end - e.time_range.start)
     return candidates[0] if len(candidates) == 1 else None
+
+
+# the device activities that are work (kineto's "kernel", "gpu_memcpy", "gpu_memset"); a synchronization
+# ("cuda_sync": the GPU waiting on an event or the host) or an annotation on the GPU timeline
+# ("gpu_user_annotation") spans time without doing any
+DEVICE_WORK = re.compile(r"kernel|memcpy|memset", re.IGNORECASE)
+
+
+def _is_work(event: Any) -> bool:
+    kind = getattr(event, "activity_type", None)  # absent in older torch: then annotations are all we can tell
+    if kind is not None:
+        return DEVICE_WORK.search(str(kind())) is not None
+    return not _flag(event, "is_user_annotation")
 
 
 def _flag(event: Any, name: str) -> bool:

@@ -110,8 +110,9 @@ def _profile(step):
 class _Kineto:
     """A kineto activity as ``prof.profiler.kineto_results.events()`` holds it (times in ns)."""
 
-    def __init__(self, name, start_us, end_us, corr, linked, device=False, annotation=False):
-        self._v = (name, start_us, end_us, corr, linked, device, annotation)
+    def __init__(self, name, start_us, end_us, corr, linked, device=False, annotation=False, kind=None):
+        kind = kind or ("gpu_user_annotation" if annotation else "kernel" if device else "cuda_runtime")
+        self._v = (name, start_us, end_us, corr, linked, device, annotation, kind)
 
     def name(self): return self._v[0]
     def start_ns(self): return 10**6 + int(self._v[1] * 1e3)
@@ -124,6 +125,16 @@ class _Kineto:
     def device_resource_id(self): return 7  # the stream
     def is_user_annotation(self): return self._v[6]
     def is_hidden_event(self): return False
+    def activity_type(self): return self._v[7]
+
+
+class _OldKineto(_Kineto):
+    """As an older torch's events: no activity_type, so only the annotation flag tells work apart."""
+
+    def __getattribute__(self, name):
+        if name == "activity_type":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
 
 
 class _Results:
@@ -144,7 +155,8 @@ def _op(id_, name, start, end, parent=None):
 def test_each_device_kernel_counts_once_under_the_operator_that_launched_it(sp):
     """The H200 profile's fault, built by hand: a runtime call whose CUPTI id (2) equals the fused AdamW
     operator's id, so torch's own linking hands AdamW's kernels to it too (they showed up 9x); a kernel
-    delivered twice; a device-side annotation over the optimizer's kernels; a kernel no operator launched."""
+    delivered twice; a device-side annotation over the optimizer's kernels; a kernel no operator launched;
+    a synchronization on the GPU timeline (time without work)."""
     step = _op(1, "Optimizer.step#AdamW.step", 0, 100)
     adam = _op(2, "aten::_fused_adamw_", 10, 90, step)
     linear = _op(4, "aten::linear", 190, 270)
@@ -160,8 +172,12 @@ def test_each_device_kernel_counts_once_under_the_operator_that_launched_it(sp):
         _Kineto("Optimizer.step#AdamW.step", 300, 380, 1, 1, device=True, annotation=True),
         _Kineto(gemm, 400, 500, corr=52, linked=3, device=True),
         _Kineto("void stray_kernel", 600, 610, corr=60, linked=0, device=True),
+        _Kineto("Context Sync", 610, 900, corr=61, linked=0, device=True, kind="cuda_sync"),  # waits, no work
     ]
     recs, busy = sp.device_records(_Results(kineto), [collider, step, adam, linear, mm])  # collider first
+    old = [_OldKineto(*k._v[:7]) for k in kineto if k._v[7] != "cuda_sync"]  # older torch: no activity types
+    assert sorted(sp.device_records(_Results(old), [collider, step, adam, linear, mm])[0], key=repr) == sorted(
+        recs, key=repr)
     assert busy == pytest.approx(40 + 40 + 100 + 10)
     assert sum(r.us for r in recs) == pytest.approx(busy)  # one stream: summed kernel time == busy time
     assert sorted((r.name, r.callers[0], r.us) for r in recs) == sorted([
