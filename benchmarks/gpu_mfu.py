@@ -198,8 +198,9 @@ def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.de
         try:
             # the JSON keeps the 100 busiest kernels (the table shows 15): enough to re-read a profile offline
             prof = profile_steps(step, profile, device, first=args.warmup + args.steps, top=100)
-        except RuntimeError as e:  # a profiler that cannot start here (no CUPTI, say) costs the profile only
-            prof = f"profiler failed: {e}"
+        except Exception as e:  # a profiler that cannot start here (no CUPTI, say), or a torch whose profiler
+            # results lack what step_profile reads, costs the profile only, not the row measured before it
+            prof = f"profiler failed: {type(e).__name__}: {e}"
         finite = finite and all(r.finite for r in pending.read())
     return {"profile": prof, "tokens_per_s": args.steps * args.batch * args.seq / seconds,
             "step_s": seconds / args.steps, "flops_per_token": flops_per_token(model, args.seq),

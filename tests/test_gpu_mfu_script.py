@@ -112,6 +112,26 @@ def test_profile_writes_where_the_step_goes(gpu_mfu, capsys, monkeypatch, tmp_pa
     assert "| LM head matmul |" in md and "| `aten::mm` | matmul |" in md
 
 
+def test_a_profile_that_fails_costs_the_profile_not_the_row(gpu_mfu, capsys, monkeypatch, tmp_path):
+    """A profiler that cannot start, or results this torch does not carry (an AttributeError while reading
+    them): the row measured before the profile is kept, with the failure in its place."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # step_profile.py beside the script
+    import step_profile
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'_ProfilerResult' object has no attribute 'trace_start_ns'")
+
+    monkeypatch.setattr(gpu_mfu, "measured_peak_flops", lambda *a, **k: 1e12)
+    monkeypatch.setattr(step_profile, "profile_steps", broken)
+    out = tmp_path / "rows.json"
+    assert gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--batch", "2", "--steps", "1",
+                         "--warmup", "1", "--no-compile", "--placements", "pre", "--ac", "off", "--loss", "fast",
+                         "--profile", str(tmp_path), "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["tokens_per_s"] > 0 and row["profile"].startswith("profiler failed: AttributeError: ")
+    assert "profiler failed: AttributeError" in capsys.readouterr().out
+
+
 
 def test_float8_rows_train_through_the_float8_linears(gpu_mfu, monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_mfu, "measured_peak_flops", lambda *a, **k: 1e12)
