@@ -19,15 +19,16 @@ says so and exits 0 (``--device cpu --size tiny`` runs the same code on the CPU,
     python benchmarks/gpu_mfu.py                              # 550m, hybridnorm_star + pre, AC off + on
     python benchmarks/gpu_mfu.py --batch 8 --ac on            # a bigger batch fits with checkpointing
     python benchmarks/gpu_mfu.py --loss compiled               # the LM head + loss compiled instead (also: plain)
-    python benchmarks/gpu_mfu.py --size moe-1b-7b --set 'moe={num_experts: 16, top_k: 4}' --batch 2   # a MoE
+    python benchmarks/gpu_mfu.py --size moe-1b-2b --batch plan   # the MoE that fits one GPU, planner's batch
     python benchmarks/gpu_mfu.py --batch 6,8,10 --loss fast,compiled --json OUT/rows.json   # a grid, rows kept
     python benchmarks/gpu_mfu.py --ac off --profile OUT/prof   # + where the time goes (step_profile.py)
 
-``--batch`` and ``--loss`` take comma lists and every combination is measured; ``--json`` rewrites the rows
-measured so far after each one, so a command killed at its time limit keeps them. ``--profile DIR`` runs
-``--profile-steps`` more steps of each configuration under torch.profiler and writes DIR/profile.md (time per
-step by category: matmul, attention, norms, LM head and loss, optimizer, compiled, copies, eager rest; the
-busiest kernels; the GPU's idle share) and DIR/profile.json.
+``--batch`` and ``--loss`` take comma lists and every combination is measured (``--batch plan``: for each
+configuration the largest micro-batch ``hybridnorm plan`` fits in this GPU's memory, or ``--gpu-mem``);
+``--json`` rewrites the rows measured so far after each one, so a command killed at its time limit keeps
+them. ``--profile DIR`` runs ``--profile-steps`` more steps of each configuration under torch.profiler and
+writes DIR/profile.md (time per step by category: matmul, attention, norms, LM head and loss, optimizer,
+compiled, copies, eager rest; the busiest kernels; the GPU's idle share) and DIR/profile.json.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ from hybridnorm.train.distributed import Dist
 from hybridnorm.train.flops import flops_per_token, gpu_datasheet_peak, measured_peak_flops
 from hybridnorm.train.host_sync import PendingSteps
 from hybridnorm.train.optim import OptimConfig, build_optimizer
+from hybridnorm.train.plan import PlanOptions, plan
 from hybridnorm.train.step import clip_gradients, forward_backward
 
 LOSSES = ("fast", "plain", "compiled")
 ON_OFF = {"off": (False,), "on": (True,), "both": (False, True)}
+PLAN = "plan"  # --batch plan: the planner's largest micro-batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,13 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="550m", help="ModelConfig preset")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field of the preset, VALUE in YAML, e.g. --set n_layers=8 "
-                        "--set 'moe={num_experts: 16, top_k: 4}' (a MoE that fits one GPU)")
+                        "--set 'moe={num_experts: 8, top_k: 2}'")
     p.add_argument("--placements", default="hybridnorm_star,pre")
     p.add_argument("--ac", choices=("off", "on", "both"), default="both", help="activation checkpointing")
     p.add_argument("--float8", choices=("off", "on", "both"), default="off",
                    help="the blocks' linears in float8 (TrainConfig.float8; needs an H100-class GPU to pay)")
-    p.add_argument("--batch", type=_int_list, default=[4],
-                   help="sequences per step (one micro-batch); a comma list measures each, e.g. 4,6,8")
+    p.add_argument("--batch", type=_batch_list, default=[4],
+                   help="sequences per step (one micro-batch); a comma list measures each, e.g. 4,6,8; 'plan': "
+                        "the largest micro-batch `hybridnorm plan` fits in the GPU's memory for each configuration "
+                        "(placement, checkpointing, head + loss)")
+    p.add_argument("--gpu-mem", type=float, metavar="GIB",
+                   help="memory --batch plan plans for (default: the GPU's own; needed without a GPU)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one compiles)")
@@ -92,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--measured-peak", action="store_true", help="MFU against a measured bf16 matmul peak")
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
+
+
+def _batch_list(text: str) -> list[int | str]:
+    return [PLAN] if text.strip() == PLAN else list(_int_list(text))
 
 
 def _int_list(text: str) -> list[int]:
@@ -124,6 +135,25 @@ def model_overrides(pairs: list[str]) -> dict[str, object]:
             raise SystemExit(f"gpu_mfu: --set {pair!r} is not FIELD=VALUE")
         out[field.strip()] = yaml.safe_load(value)
     return out
+
+
+def planned_batch(args: argparse.Namespace, placement: str, ac: bool, loss: str, device: torch.device) -> int:
+    """``hybridnorm plan``'s largest micro-batch for one process (its DDP row) at this configuration: the GPU's
+    memory (or ``--gpu-mem``) less the planner's 10 % headroom; 0 where nothing fits in this mode."""
+    if args.set:  # the planner builds the preset: it would plan a different model
+        raise SystemExit("gpu_mfu: --batch plan plans the preset as it is; with --set give --batch numbers")
+    gib = args.gpu_mem
+    if gib is None:
+        if device.type != "cuda":
+            raise SystemExit("gpu_mfu: --batch plan needs --gpu-mem GIB on a machine without a GPU")
+        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    try:
+        mode = plan(PlanOptions(size=args.size, gpus=1, gpu_mem=gib, seq_len=args.seq, precision="bf16",
+                                placement=placement, loss=loss)).modes[0]
+    except hn.ConfigError as e:  # nothing fits in any mode
+        print(f"gpu_mfu: {e}")
+        return 0
+    return mode.max_micro_batch_ckpt if ac else mode.max_micro_batch
 
 
 def peak_flops(device: torch.device, measured: bool) -> tuple[float, str]:
@@ -227,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     for placement in (p.strip() for p in args.placements.split(",") if p.strip()):
         for ac in ON_OFF[args.ac]:
             for f8, loss, batch in itertools.product(ON_OFF[args.float8], args.loss, args.batch):
+                if batch == PLAN:
+                    batch = planned_batch(args, placement, ac, loss, device)
+                    if batch < 1:
+                        print(f"{placement:<17}{'on' if ac else 'off':>4}  the plan fits no sequence; skipped")
+                        continue
                 config = argparse.Namespace(**{**vars(args), "batch": batch, "loss": loss, "float8": f8})
                 label = f"{placement:<17}{'on' if ac else 'off':>4}{'on' if f8 else 'off':>4}{batch:>6}{loss:>9}"
                 row: dict[str, Any] = {"placement": placement, "ac": ac, "float8": f8, "batch": batch, "loss": loss,

@@ -144,3 +144,34 @@ def test_float8_rows_train_through_the_float8_linears(gpu_mfu, monkeypatch, tmp_
     rows = json.loads(rows_path.read_text())
     assert [r["float8"] for r in rows] == [False, True] and all(r["finite"] for r in rows)
     assert len(swapped) == 1 and len(swapped[0]) == 4 * 2  # the float8 row only: 4 linears in each of 2 blocks
+
+
+def test_batch_plan_measures_the_planners_largest_micro_batch_per_configuration(gpu_mfu, capsys, monkeypatch,
+                                                                                tmp_path):
+    from hybridnorm.train.plan import PlanOptions, plan
+
+    monkeypatch.setattr(gpu_mfu, "measured_peak_flops", lambda *a, **k: 1e12)
+    out = tmp_path / "rows.json"
+    common = ["--device", "cpu", "--size", "tiny", "--seq", "32", "--steps", "1", "--warmup", "1", "--no-compile",
+              "--loss", "fast"]
+    assert gpu_mfu.main([*common, "--placements", "pre,hybridnorm_star", "--batch", "plan", "--gpu-mem", "0.003",
+                         "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    for placement in ("pre", "hybridnorm_star"):
+        mode = plan(PlanOptions(size="tiny", gpus=1, gpu_mem=0.003, seq_len=32, placement=placement,
+                                loss="fast")).modes[0]
+        got = {r["ac"]: r["batch"] for r in rows if r["placement"] == placement}
+        assert got == {False: mode.max_micro_batch, True: mode.max_micro_batch_ckpt}  # checkpointing fits more
+        assert got[True] > got[False] >= 1
+    # a memory where nothing fits: no row, said once per configuration, not a crash
+    assert gpu_mfu.main([*common, "--placements", "pre", "--batch", "plan", "--gpu-mem", "0.002"]) == 0
+    assert capsys.readouterr().out.count("the plan fits no sequence; skipped") == 2
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--batch", "plan"], "--batch plan needs --gpu-mem GIB on a machine without a GPU"),
+    (["--batch", "plan", "--gpu-mem", "1", "--set", "n_layers=1"], "with --set give --batch numbers"),
+])
+def test_batch_plan_refuses_what_it_cannot_plan(gpu_mfu, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--no-compile", *extra])
