@@ -126,12 +126,11 @@ def mfu(ctx: Context) -> steps.Result:
     peak, source = gpu_mfu.peak_flops(device, False)
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
     loss = steps.head_loss(ctx.device)  # what the trainer runs here: measured, and planned for, alike
+    planning = argparse.Namespace(size=s.size, seq=s.mfu_seq, set=[], gpu_mem=None)  # this GPU's memory
     for placement in ("hybridnorm_star", "pre"):
-        mode = plan(PlanOptions(size=s.size, gpus=1, gpu_mem=gpu_gib, seq_len=s.mfu_seq, precision="bf16",
-                                placement=placement, loss=loss)).modes[0] if device.type == "cuda" else None
         for ac in (False, True):
-            if mode is not None:
-                batch = min(ctx.args.mfu_max_batch, mode.max_micro_batch_ckpt if ac else mode.max_micro_batch)
+            if device.type == "cuda":
+                batch = min(ctx.args.mfu_max_batch, gpu_mfu.planned_batch(planning, placement, ac, loss, device))
             else:
                 batch = s.batch
             row: dict[str, Any] = {"placement": placement, "ac": ac, "seq": s.mfu_seq, "peak_flops": peak,

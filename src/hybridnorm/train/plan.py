@@ -300,7 +300,7 @@ def format_plan(pl: Plan) -> str:
             if pl.micro_batch <= (m.max_micro_batch_ckpt if ck else m.max_micro_batch)]
     lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {o.gpus} GPUs x {o.gpu_mem:g} GiB "
              f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len}, {o.precision}, "
-             f"{ {'fast': 'fused', 'plain': 'plain', 'compiled': 'compiled'}[o.loss]} LM head + loss",
+             f"{'fused' if o.loss == 'fast' else o.loss} LM head + loss",
              f"micro-batch {pl.micro_batch} x grad_accum {pl.grad_accum} x {o.gpus} GPUs = {pl.global_tokens:,} "
              f"tokens per step (target {o.global_batch_tokens:,})",
              f"micro-batch {pl.micro_batch} fits under: {', '.join(fits)}"]
