@@ -73,8 +73,9 @@ def as_older_checkpoint(ckpt: Path) -> None:
     """Make ``ckpt`` one written before checkpoints kept copies of the run's files (RUN_FILES)."""
     manifest = json.loads((ckpt / "manifest.json").read_text(encoding="utf-8"))
     for name in RUN_FILES:
-        (ckpt / name).unlink()
-        del manifest[name]
+        if name in manifest:
+            (ckpt / name).unlink()
+            del manifest[name]
     (ckpt / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
 
 

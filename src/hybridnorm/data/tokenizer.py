@@ -4,6 +4,13 @@ Both save to a ``tokenizer.json`` that :func:`load_tokenizer` reads back (the BP
 format, so ``transformers.PreTrainedTokenizerFast(tokenizer_file=...)`` reads it too). :func:`get_tokenizer`
 trains a BPE once per corpus and vocabulary size and caches it under
 ``<cache_dir>/<corpus fingerprint>-bpe<vocab>/``, the folder that also holds the tokenized data.
+
+The end-of-text token, which separates documents, ends generation and is the exported model's eos, is the
+first of :data:`EOT_ALIASES` in the vocabulary. A tokenizer with none of them (DeepSeek's
+``<｜end▁of▁sentence｜>``) takes the ``eos_token`` its folder names the Hugging Face way, in
+``tokenizer_config.json`` (else ``special_tokens_map.json``) beside its ``tokenizer.json``; saved, such a
+tokenizer writes that file too (:data:`EOS_FILE`), so the choice travels with it into run folders, checkpoints
+and the data cache, and its fingerprint covers it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ if TYPE_CHECKING:
 
 EOT = "<|endoftext|>"
 EOT_ALIASES: tuple[str, ...] = (EOT, "<|end_of_text|>", "</s>", "<eos>")  # for user-supplied tokenizers
+# the files of a Hugging Face folder that name its eos_token, read in this order (transformers reads both)
+EOS_FILES: tuple[str, ...] = ("tokenizer_config.json", "special_tokens_map.json")
+EOS_FILE = EOS_FILES[0]  # what a tokenizer whose end-of-text token was declared so writes beside tokenizer.json
 KINDS: tuple[str, ...] = ("bpe", "bytes")
 MIN_BPE_VOCAB = 257  # 256 byte symbols + <|endoftext|>: no merges at all
 CACHE_FILE_MODE = 0o644  # mkstemp makes 0600 files; a shared cache must be readable by every user
@@ -37,6 +47,7 @@ class Tokenizer(Protocol):
     eot_id: int
     start_id: int  # the token every context starts from (prompts, scored texts): see BPETokenizer
     fingerprint: str  # a hash of the saved form: tokenized data records it to refuse a mismatched tokenizer
+    files: tuple[str, ...]  # the names save() writes into a folder
 
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
@@ -51,6 +62,7 @@ class ByteTokenizer:
     vocab_size = 257
     eot_id = 256
     start_id = 256
+    files = ("tokenizer.json",)
 
     def __init__(self) -> None:
         self.fingerprint = hashlib.sha256(self._json().encode()).hexdigest()
@@ -89,16 +101,32 @@ class BPETokenizer:
 
     kind = "bpe"
 
-    def __init__(self, hf: object, source: str = "<memory>") -> None:
+    def __init__(self, hf: object, source: str = "<memory>", eos_token: str | None = None) -> None:
+        """``eos_token``: the end-of-text token a tokenizer with none of :data:`EOT_ALIASES` declares (its
+        folder's ``eos_token``); ignored when it has one of them (see :func:`load_tokenizer`)."""
         self.hf = hf
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
-        ids = [hf.token_to_id(t) for t in EOT_ALIASES]
-        if all(i is None for i in ids):
-            raise ConfigError(f"tokenizer {source} has no end-of-text token "
-                              f"(one of {', '.join(EOT_ALIASES)})")
-        self.eot_id: int = next(i for i in ids if i is not None)
+        eot_id = alias_eot_id(hf)
+        self.declared_eos: str | None = None  # set when the end-of-text token is the declared one
+        if eot_id is None:
+            if eos_token is None:
+                raise ConfigError(f"tokenizer {source} has no end-of-text token (one of {', '.join(EOT_ALIASES)}"
+                                  f"), and no {' or '.join(EOS_FILES)} beside it names one (eos_token)")
+            eot_id = hf.token_to_id(eos_token)
+            if eot_id is None:
+                raise ConfigError(f"tokenizer {source}: its declared eos_token {eos_token!r} is not one of its "
+                                  "tokens")
+            self.declared_eos = eos_token
+        self.eot_id: int = eot_id
         self.start_id: int = _start_id(hf, self.eot_id, source)
-        self.fingerprint = hashlib.sha256(hf.to_str().encode()).hexdigest()
+        self.files: tuple[str, ...] = ("tokenizer.json",) + ((EOS_FILE,) if self.declared_eos else ())
+        # the declared token is part of what the tokenizer is (its documents' separator): two tokenizer.json
+        # files alike with different eos_tokens are two tokenizers; with an alias the hash is the file's alone
+        self.fingerprint = hashlib.sha256(hf.to_str().encode()
+                                          + (self._eos_json().encode() if self.declared_eos else b"")).hexdigest()
+
+    def _eos_json(self) -> str:
+        return json.dumps({"eos_token": self.declared_eos}, ensure_ascii=False, indent=1)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
@@ -111,7 +139,40 @@ class BPETokenizer:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, directory: str | Path) -> Path:
+        if self.declared_eos:  # first: a tokenizer.json beside it is only ever read with it
+            atomic_write(Path(directory) / EOS_FILE, self._eos_json())
         return atomic_write(Path(directory) / "tokenizer.json", self.hf.to_str())
+
+
+def alias_eot_id(hf: object) -> int | None:
+    """The id of the first of :data:`EOT_ALIASES` in ``hf``'s vocabulary, else None."""
+    return next((i for i in (hf.token_to_id(t) for t in EOT_ALIASES) if i is not None), None)
+
+
+def declared_eos(folder: Path) -> str | None:
+    """The ``eos_token`` that ``folder``'s first :data:`EOS_FILES` naming one declares (a string, or an
+    ``AddedToken`` as ``{"content": ...}``), else None. A file that cannot be read, or whose eos_token is
+    neither, is one ConfigError naming it."""
+    for name in EOS_FILES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            data = plain_data.loads(file.read_bytes())
+        except OSError as e:
+            raise ConfigError(f"cannot read {file}: {e.strerror or e}") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the depth limit
+            raise ConfigError(f"cannot read {file}: {plain_data.describe_error(e)}") from None
+        eos = data.get("eos_token") if isinstance(data, dict) else None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if eos is None:  # not named here (or null: none): the next file may name it
+            continue
+        if not (isinstance(eos, str) and eos):
+            raise ConfigError(f"{file}: eos_token must be a token (a string, or {{\"content\": <string>}}), "
+                              f"got {data['eos_token']!r}"[:300])
+        return eos
+    return None
 
 
 def _start_id(hf: object, eot_id: int, source: str) -> int:
@@ -148,7 +209,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192) -> BPETokenizer:
 
 
 def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Tokenizer:
-    """Read a ``tokenizer.json`` (or the folder holding one); ``vocab_size`` given: it must match."""
+    """Read a ``tokenizer.json`` (or the folder holding one); ``vocab_size`` given: it must match. Its
+    end-of-text token: the first of :data:`EOT_ALIASES` it has, else the ``eos_token`` its folder declares
+    (:func:`declared_eos`)."""
     path = Path(path)
     file = path / "tokenizer.json" if path.is_dir() else path
     try:
@@ -168,7 +231,11 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Tokenizer
             hf = HFTokenizer.from_str(text)
         except Exception as e:  # the Rust side raises a bare Exception for a malformed file
             raise ConfigError(f"tokenizer file {file} is not a tokenizers JSON file: {e}") from None
-        tok = BPETokenizer(hf, source=str(file))
+        # the folder's declared eos_token only where the vocabulary has none of the aliases: then nothing that
+        # loaded before reads another file or changes (Llama 3 Instruct declares <|eot_id|>, Qwen's chat models
+        # <|im_end|>: the documents' separator stays <|end_of_text|> / <|endoftext|>)
+        eos = declared_eos(file.parent) if alias_eot_id(hf) is None else None
+        tok = BPETokenizer(hf, source=str(file), eos_token=eos)
     if vocab_size is not None and tok.vocab_size != vocab_size:
         raise ConfigError(f"tokenizer file {file} has vocab size {tok.vocab_size}, expected {vocab_size}")
     return tok

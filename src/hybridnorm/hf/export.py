@@ -25,7 +25,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.hf import folder, remote_code, stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.train.checkpoint import RUN_FILES, TrainState, save_checkpoint
+from hybridnorm.train.checkpoint import TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
 from hybridnorm.train.preflight import check_fits, check_output_folder, staged_folder
@@ -228,5 +228,6 @@ def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False)
         (tmp / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
         save_checkpoint(tmp / "checkpoints", run.model, opt, TrainState(step=0, tokens=0),
-                        run_files={name: (tmp / name).read_bytes() for name in RUN_FILES})
+                        run_files={name: (tmp / name).read_bytes()
+                                   for name in ("config.yaml", *run.tokenizer.files)})
     return out

@@ -29,7 +29,7 @@ from typing import Any
 from hybridnorm.config_base import config_differences, flatten_config
 from hybridnorm.data.tokenizer import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
-from hybridnorm.train.checkpoint import checked_run_file
+from hybridnorm.train.checkpoint import checked_run_file, checked_tokenizer_file
 from hybridnorm.train.config import TrainConfig
 
 # model fields a resumed run may change: how the math is run, how fresh weights would be drawn (a resumed
@@ -53,7 +53,7 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Pa
     ``config.yaml`` (``ckpt``'s copy, else the run's) and may (sorted); raises ConfigError for the ones that
     may not, or a tokenizer that is not the recorded one. Without a recorded config or tokenizer (an older
     layout) that is not checked."""
-    recorded_tok = checked_run_file(ckpt, "tokenizer.json")
+    recorded_tok = checked_tokenizer_file(ckpt)
     if recorded_tok.is_file():
         theirs = load_tokenizer(recorded_tok)  # ConfigError naming the file if it is damaged
         if theirs.fingerprint != tokenizer.fingerprint:

@@ -16,7 +16,13 @@ from hybridnorm.config_base import show
 from hybridnorm.data import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.train.checkpoint import CheckpointError, checked_run_file, latest_checkpoint, load_weights
+from hybridnorm.train.checkpoint import (
+    CheckpointError,
+    checked_run_file,
+    checked_tokenizer_file,
+    latest_checkpoint,
+    load_weights,
+)
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.preflight import check_fits
 
@@ -92,7 +98,7 @@ def open_run(path: str | Path) -> Run:
                 f" ({len(bad)} found, none verifies; the newest: {bad[0]})" if bad
                 else " (no checkpoints/step_* folder)") + adapter_hint(path))
     # the files this checkpoint was written with (its own copies; an older checkpoint's are its run's)
-    cfg_file, tok_file = checked_run_file(ckpt, "config.yaml"), checked_run_file(ckpt, "tokenizer.json")
+    cfg_file, tok_file = checked_run_file(ckpt, "config.yaml"), checked_tokenizer_file(ckpt)
     cfg = TrainConfig.load(cfg_file)
     tokenizer = load_tokenizer(tok_file)
     if tokenizer.vocab_size != cfg.model.vocab_size:  # training and import both make them equal

@@ -39,7 +39,6 @@ from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_counts, compile_head_loss
 from hybridnorm.train.batch_split import per_step_state, resolve_split
 from hybridnorm.train.checkpoint import (
-    RUN_FILES,
     ResumePoint,
     TrainState,
     checkpoint_for_resume,
@@ -210,7 +209,9 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         data.tokenizer.save(run_dir)
-        run_files = {name: (run_dir / name).read_bytes() for name in RUN_FILES}
+        # what the tokenizer wrote (a tokenizer_config.json only with a declared end-of-text token): a stale
+        # file of another tokenizer in the run folder is not copied
+        run_files = {name: (run_dir / name).read_bytes() for name in ("config.yaml", *data.tokenizer.files)}
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     # a GPU's datasheet peak where known (flops.py: a timed matmul reads far under it on a GPU), else measured

@@ -32,7 +32,8 @@ from hybridnorm.train.checkpoint.layout import (
     tensor_header,
 )
 
-__all__ = ["FILES", "MANIFEST", "CheckpointError", "check_checkpoint", "checked_run_file", "list_checkpoints",
+__all__ = ["FILES", "MANIFEST", "CheckpointError", "check_checkpoint", "checked_run_file",
+           "checked_tokenizer_file", "list_checkpoints",
            "read_state", "sha256_of", "verify_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -134,6 +135,13 @@ def checked_run_file(ckpt: Path, name: str) -> Path:
         return ckpt / name
     _check_recorded(ckpt, manifest, name)
     return ckpt.parent.parent / name
+
+
+def checked_tokenizer_file(ckpt: Path) -> Path:
+    """:func:`checked_run_file` for ``tokenizer.json``, with the ``tokenizer_config.json`` that the tokenizer
+    reads beside it (one whose end-of-text token its folder declared) checked the same way first."""
+    checked_run_file(ckpt, "tokenizer_config.json")
+    return checked_run_file(ckpt, "tokenizer.json")
 
 
 def _check_recorded(ckpt: Path, manifest: dict[str, Any], name: str) -> None:

@@ -43,7 +43,9 @@ from hybridnorm.errors import ConfigError
 FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
 COMMON = ("rng.safetensors", "state.json")  # in both layouts
 MANIFEST = "manifest.json"
-RUN_FILES = ("config.yaml", "tokenizer.json")  # the run's files, copied in; optional (older checkpoints lack them)
+# the run's files, copied in; optional (older checkpoints lack them; tokenizer_config.json only a tokenizer
+# whose end-of-text token its folder declared writes: hybridnorm.data.tokenizer.EOS_FILE)
+RUN_FILES = ("config.yaml", "tokenizer.json", "tokenizer_config.json")
 KINDS = ("model", "optimizer")
 SHARD_FILE = re.compile(r"^(model|optimizer)-r([0-9]{5})\.safetensors$")
 _OFFSET = re.compile(r"^(?:[0-9]+(?:,[0-9]+)*)?$")
