@@ -5,8 +5,8 @@ format, so ``transformers.PreTrainedTokenizerFast(tokenizer_file=...)`` reads it
 trains a BPE once per corpus and vocabulary size and caches it under
 ``<cache_dir>/<corpus fingerprint>-bpe<vocab>/``, the folder that also holds the tokenized data.
 
-The end-of-text token, which separates documents, ends generation and is the exported model's eos, is the
-first of :data:`EOT_ALIASES` in the vocabulary. A tokenizer with none of them (DeepSeek's
+The end-of-text token, which ends every training document and is the exported model's eos (where HF's
+``generate`` stops), is the first of :data:`EOT_ALIASES` in the vocabulary. A tokenizer with none of them (DeepSeek's
 ``<｜end▁of▁sentence｜>``) takes the ``eos_token`` its folder names the Hugging Face way, in
 ``tokenizer_config.json`` (else ``special_tokens_map.json``) beside its ``tokenizer.json``; saved, such a
 tokenizer writes that file too (:data:`EOS_FILE`), so the choice travels with it into run folders, checkpoints

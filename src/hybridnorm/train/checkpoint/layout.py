@@ -10,7 +10,8 @@
     model-r00001.safetensors  optimizer-r00001.safetensors     rank 1's pieces, ...
     rng.safetensors  state.json  manifest.json                  as above; state.json adds "shards"
 
-Either layout also holds copies of the run's ``config.yaml`` and ``tokenizer.json`` as they were when it was
+Either layout also holds copies of the run's ``config.yaml`` and ``tokenizer.json`` (and the
+``tokenizer_config.json`` naming a declared end-of-text token, where the tokenizer has one) as they were when it was
 written (:data:`RUN_FILES`, hashed in the manifest like the rest): a checkpoint folder copied out of its run
 still opens, and a run's ``config.yaml`` rewritten later (a resume with new settings, a hand edit) does not
 change what an older checkpoint is read as. Checkpoints written before these copies existed have none; they
