@@ -65,6 +65,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     g.add_argument("--top-k", type=int, default=50, help="0: sample from the whole vocabulary")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the end-of-text token (default: stop after it, as transformers' generate)")
     g.set_defaults(func=commands["generate"])
 
     e = sub.add_parser("eval", parents=[common], help="evaluate a checkpoint: validation loss (default), "

@@ -8,7 +8,8 @@ Layout of one checkpoint (``<run>/checkpoints/step_000100/``)::
     state.json              step, counters, optimizer hyper-parameters and the names/shapes of its tensors,
                             data-loader position, extras
     config.yaml             copies of the run's files as they were at this step (``run_files``; written by
-    tokenizer.json          the trainer and by ``hybridnorm import``), so the folder opens on its own
+    tokenizer.json          the trainer and by ``hybridnorm import``), so the folder opens on its own;
+    tokenizer_config.json   only with a tokenizer whose end-of-text token its folder declared
     manifest.json           size and sha256 of each file above — written last, so its presence marks
                             a complete checkpoint and its hashes catch truncation and corruption
 
@@ -256,7 +257,7 @@ def start_checkpoint(ckpt_root: str | Path, model: nn.Module, optimizer: torch.o
     ``state``), the files are written at once or, with ``background``, while training goes on; call
     :meth:`PendingSave.wait` (on every rank, at the same point) to publish it. ``run_files`` (name -> content,
     names from :data:`~hybridnorm.train.checkpoint.layout.RUN_FILES`; rank 0's count) are the run's
-    ``config.yaml`` and ``tokenizer.json`` to keep with it.
+    ``config.yaml`` and the files its tokenizer saved (``Tokenizer.files``) to keep with it.
 
     In a run of several processes (``d``) call it on every rank: a sharded (FSDP) model is saved by all of
     them together; a whole one by rank 0 alone (the others get None)."""
