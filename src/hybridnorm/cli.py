@@ -145,10 +145,10 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     # the start token first (<|endoftext|> for our tokenizers: every training document followed one; a
     # folder's own BOS where its tokenizer adds one), as the evaluators and the exported HF tokenizer do
     ids = [run.tokenizer.start_id, *run.tokenizer.encode(args.prompt)]
-    # ends after the end-of-text token, as transformers' generate does at the exported model's eos
+    # ends after the end-of-text token (or an HF folder's other eos ids), as transformers' generate ends
     out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k or None, generator=gen,
-                             stop_id=None if args.ignore_eos else run.tokenizer.eot_id)
+                             stop_ids=None if args.ignore_eos else [run.tokenizer.eot_id, *run.stop_ids])
     print(run.tokenizer.decode(out[0, 1:].tolist()))
     return 0
 

@@ -211,7 +211,8 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
         mc.vocab_size, mc.pad_vocab_multiple = tokenizer.vocab_size, mc.embedding_size
     cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str(tok_file.resolve())),
                       seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(path))
-    return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer, tokenizer_file=tok_file)
+    return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer, tokenizer_file=tok_file,
+               stop_ids=folder.eos_ids(path, mc.vocab_size))
 
 
 def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False) -> Path:

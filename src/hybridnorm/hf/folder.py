@@ -156,6 +156,26 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def eos_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
+    """The eos ids transformers' ``generate`` stops at for the folder: ``generation_config.json``'s
+    ``eos_token_id`` if the folder has that file, else ``config.json``'s (one id, a list, or none), less
+    ids outside ``0 .. vocab_size - 1``, which are never sampled (an embedding padded past the tokenizer).
+    A value that is not an integer or a list of integers is a ConfigError naming the file."""
+    path = Path(path)
+    file = path / "generation_config.json"
+    if not file.is_file():
+        file = path / "config.json"
+    try:
+        raw = plain_data.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{file}: {plain_data.describe_error(e)}") from None
+    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    ids = [] if value is None else [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{file}: eos_token_id={value!r} must be a token id or a list of them"[:300])
+    return tuple(dict.fromkeys(i for i in ids if 0 <= i < vocab_size))
+
+
 def build_config(path: str | Path, cfg: dict[str, Any]) -> Any:  # -> transformers.PretrainedConfig
     """The concrete config class of ``cfg['model_type']`` built from the checked dict."""
     model_type = cfg["model_type"]

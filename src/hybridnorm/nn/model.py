@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -218,17 +219,16 @@ class TransformerLM(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 stop_id: int | None = None) -> Tensor:
+                 stop_ids: int | Sequence[int] | None = None) -> Tensor:
         """Sample continuations with a KV cache; ``temperature=0`` is greedy, ``top_k`` None or 0 samples from
-        the whole vocabulary. Returns (B, T + new). ``stop_id`` (an end-of-text token): a row that emits it
-        emits only it from then on, and generation ends once every row has, so new may be < max_new_tokens
-        (transformers' ``generate`` with that eos, whose finished rows get the pad token: our exported
-        tokenizers' pad is their end-of-text token). Arguments out of range raise ConfigError up front
-        (:func:`check_generate_args`), as does a prompt + continuation longer than ``max_seq_len``."""
+        the whole vocabulary. Returns (B, T + new). ``stop_ids`` (end-of-text tokens, one or several): a row
+        that emits one emits only the first of them from then on, and generation ends once every row has, so
+        new may be < max_new_tokens (transformers' ``generate`` with those eos ids, whose finished rows get
+        the pad token: our exported tokenizers' pad is their end-of-text token). Arguments out of range raise
+        ConfigError up front (:func:`check_generate_args`), as does a prompt + continuation longer than
+        ``max_seq_len``."""
         check_generate_args(max_new_tokens, temperature, top_k)
-        if stop_id is not None and (isinstance(stop_id, bool) or not isinstance(stop_id, int)
-                                    or not 0 <= stop_id < self.config.vocab_size):
-            raise ConfigError(f"stop_id={stop_id!r} must be a token id from 0 to {self.config.vocab_size - 1}")
+        stops = _stop_tensor(stop_ids, self.config.vocab_size, input_ids.device)
         B, T = input_ids.shape
         if T < 1 or T + max_new_tokens > self.config.max_seq_len:
             raise ConfigError(f"a prompt of {T} tokens + max_new_tokens={max_new_tokens} must be 1 to "
@@ -238,7 +238,7 @@ class TransformerLM(nn.Module):
         out = [input_ids]
         # a temperature that rounds to 0 in fp32 (the logits' dtype here) is the T -> 0 limit: greedy
         greedy = temperature < torch.finfo(torch.float32).tiny
-        done = torch.zeros(B, 1, dtype=torch.bool, device=input_ids.device)  # rows that emitted stop_id
+        done = torch.zeros(B, 1, dtype=torch.bool, device=input_ids.device)  # rows that emitted a stop id
         for i in range(max_new_tokens):
             logits = logits[:, : self.config.vocab_size].float()  # never sample padding rows
             if greedy:
@@ -251,14 +251,26 @@ class TransformerLM(nn.Module):
                     kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
-            if stop_id is not None:
-                nxt = nxt.masked_fill(done, stop_id)
-                done = done | (nxt == stop_id)
+            if stops is not None:
+                nxt = nxt.masked_fill(done, stops[0])
+                done = done | torch.isin(nxt, stops)
             out.append(nxt)
-            if i + 1 == max_new_tokens or (stop_id is not None and bool(done.all())):  # a host sync a token
+            if i + 1 == max_new_tokens or (stops is not None and bool(done.all())):  # a host sync a token
                 break
             logits = self(nxt, cache=cache)[:, -1]
         return torch.cat(out, dim=1)
+
+
+def _stop_tensor(stop_ids: int | Sequence[int] | None, vocab_size: int, device: torch.device) -> Tensor | None:
+    """``stop_ids`` as a 1-d tensor on ``device`` (None: none); ConfigError for an id outside the vocabulary."""
+    if stop_ids is None:
+        return None
+    ids = [stop_ids] if isinstance(stop_ids, int) and not isinstance(stop_ids, bool) else stop_ids
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise ConfigError(f"stop_ids={stop_ids!r} must be token ids from 0 to {vocab_size - 1} (one, or a "
+                          "non-empty list)")
+    return torch.tensor(list(ids), device=device)
 
 
 def check_generate_args(max_new_tokens: int, temperature: float, top_k: int | None = None,

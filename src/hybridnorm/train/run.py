@@ -35,6 +35,9 @@ class Run:
     model: TransformerLM
     tokenizer: Tokenizer
     tokenizer_file: Path  # the tokenizer.json read: the checkpoint's own copy, else the run folder's
+    # eos ids besides the tokenizer's end-of-text token that generation stops at: a Hugging Face folder's
+    # (Llama 3 Instruct's <|eot_id|>, Qwen3's <|im_end|>: hybridnorm.hf.folder.eos_ids); a run folder has none
+    stop_ids: tuple[int, ...] = ()
 
 
 def split_run_path(path: Path) -> tuple[Path | None, Path]:
