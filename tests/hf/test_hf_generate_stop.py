@@ -70,9 +70,9 @@ def test_generate_stops_after_the_end_of_text_token_as_transformers(tmp_path: Pa
     hf, ids, stop = greedy
     folder = save_folder(hf, tmp_path / "stops", eos=hf.id_to_token(stop), model=True)  # the same weights
     want = stock_generate(folder, stop)
-    assert want.startswith(PROMPT) and stop not in ids[: -N]
+    assert want.startswith(PROMPT)
     cli("import", str(folder), "--out", str(tmp_path / "imported"))
-    full = deepseek_tokenizer_decode(folder, ids[1:])
+    full = autotokenizer_decode(folder, ids[1:])
     for source in (folder, tmp_path / "imported"):
         assert generate(source) == want
         assert generate(source, "--ignore-eos") == full
@@ -90,7 +90,7 @@ def test_a_folders_other_eos_ids_stop_it_too(tmp_path: Path, greedy, where: str)
     data["eos_token_id"] = [hf.token_to_id(EOS), stop, 10**6]  # an id past the vocabulary is never emitted
     (folder / where).write_text(json.dumps(data))
     assert generate(folder) == stock_generate(folder, stop)
-    assert generate(folder, "--ignore-eos") == deepseek_tokenizer_decode(folder, ids[1:])
+    assert generate(folder, "--ignore-eos") == autotokenizer_decode(folder, ids[1:])
 
 
 @pytest.mark.parametrize("value", ["x", [1, 2.5], {"a": 1}, True])
@@ -109,7 +109,7 @@ def test_a_malformed_eos_list_is_one_error_naming_the_file(tmp_path: Path, greed
         assert len(err) == 1 and "generation_config.json: eos_token_id='x' must be a token id" in err[0], err
 
 
-def deepseek_tokenizer_decode(folder: Path, ids: list[int]) -> str:
+def autotokenizer_decode(folder: Path, ids: list[int]) -> str:
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(folder).decode(ids)
