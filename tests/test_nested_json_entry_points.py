@@ -78,6 +78,16 @@ def _generation_config(root, deep, hf, run, corpus, cache):
     return ["import", str(h), "--out", str(root / "out")], h / "generation_config.json"
 
 
+def _declared_eos(root, deep, hf, run, corpus, cache):
+    """A tokenizer with none of the end-of-text aliases reads the eos_token its tokenizer_config.json declares."""
+    h = _hf_copy(hf, root)
+    tok = h / "tokenizer.json"
+    tok.write_text(tok.read_text(encoding="utf-8").replace("<|endoftext|>", "<｜end▁of▁sentence｜>"),
+                   encoding="utf-8")
+    (h / "tokenizer_config.json").write_text('{"eos_token": ' + deep + "}")
+    return ["generate", str(h), "--max-new-tokens", "1"], h / "tokenizer_config.json"
+
+
 def _shard_index(root, deep, hf, run, corpus, cache):
     h = _hf_copy(hf, root)
     (h / "model.safetensors").rename(h / "model-00001-of-00001.safetensors")
@@ -116,7 +126,8 @@ def _json_config(root, deep, hf, run, corpus, cache):
 
 ENTRY_POINTS = {"eval --mc": _mc, "eval --text": _text, "import tokenizer.json": _import_tokenizer,
                 "generate tokenizer.json": _generate_tokenizer, "config.json": _config_json,
-                "generation_config.json": _generation_config, "shard index": _shard_index,
+                "generation_config.json": _generation_config, "tokenizer_config.json": _declared_eos,
+                "shard index": _shard_index,
                 "train corpus": _train_corpus, "train --data.tokenizer": _train_tokenizer,
                 "YAML config": _yaml_config, "JSON config": _json_config}
 
