@@ -119,11 +119,14 @@ class BPETokenizer:
             self.declared_eos = eos_token
         self.eot_id: int = eot_id
         self.start_id: int = _start_id(hf, self.eot_id, source)
-        self.files: tuple[str, ...] = ("tokenizer.json",) + ((EOS_FILE,) if self.declared_eos else ())
         # the declared token is part of what the tokenizer is (its documents' separator): two tokenizer.json
         # files alike with different eos_tokens are two tokenizers; with an alias the hash is the file's alone
         self.fingerprint = hashlib.sha256(hf.to_str().encode()
                                           + (self._eos_json().encode() if self.declared_eos else b"")).hexdigest()
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return ("tokenizer.json",) + ((EOS_FILE,) if self.declared_eos else ())
 
     def _eos_json(self) -> str:
         return json.dumps({"eos_token": self.declared_eos}, ensure_ascii=False, indent=1)
