@@ -41,6 +41,27 @@ def test_bytes_round_trips_any_unicode():
     assert tok.encode_batch(["a", "é"]) == [[97], [195, 169]]
 
 
+def test_named_tokens_and_stop_token_ids():
+    """A vocabulary entry's id both ways (what data.stop_tokens names): the BPE's are its ``tokenizers``
+    vocabulary's; the byte tokenizer names only its end-of-text token (a byte is no string)."""
+    from hybridnorm.data.tokenizer import stop_token_ids
+    from hybridnorm.errors import ConfigError
+
+    bpe = train_bpe(_texts(), vocab_size=300)
+    vocab = bpe.hf.get_vocab(with_added_tokens=True)
+    assert all(bpe.token_to_id(t) == i and bpe.id_to_token(i) == t for t, i in vocab.items())
+    assert bpe.token_to_id("<|not a token|>") is None and bpe.id_to_token(300) is None
+    byte = ByteTokenizer()
+    assert (byte.token_to_id(EOT), byte.id_to_token(256)) == (256, EOT)
+    assert byte.token_to_id("a") is None and byte.id_to_token(97) is None
+    some = sorted(vocab)[5:8]
+    assert stop_token_ids([*some, some[0]], bpe, "f") == tuple(vocab[t] for t in some)  # once each, in order
+    assert stop_token_ids([EOT], byte, "f") == (256,) and stop_token_ids([], byte, "f") == ()
+    for tok in (bpe, byte):
+        with pytest.raises(ConfigError, match=r"^cfg\.yaml: data\.stop_tokens names 'zz\?', which is not a token"):
+            stop_token_ids([EOT, "zz?"], tok, "cfg.yaml")
+
+
 def test_bpe_round_trips_and_has_the_requested_vocab():
     tok = train_bpe(_texts(), vocab_size=300)
     assert isinstance(tok, BPETokenizer) and isinstance(tok, Tokenizer)

@@ -180,3 +180,15 @@ def test_greedy_until_stops_at_a_stop_string_and_at_max_gen_toks(model, tok):
     assert greedy_until(model, tok, "the lord said", (), 0) == ""
     long = greedy_until(model, tok, "the lord said", (), 3 * L)  # slides past the window: no error
     assert long.startswith(full) and len(long) > len(full)
+
+
+def test_greedy_until_stops_before_a_stop_id(model, tok):
+    """``stop_ids`` (a run's data.stop_tokens) end the text like the end-of-text token: before the first one
+    emitted, against the unstopped greedy ids of ``generate``."""
+    ids = model.generate(torch.tensor([[EOT, *b"the lord said"]]), 30, temperature=0)[0, 14:].tolist()
+    ids = ids[:ids.index(EOT)] if EOT in ids else ids
+    firsts = [k for k in range(1, len(ids)) if ids[k] not in ids[:k]]
+    assert firsts  # the model emits more than one distinct token
+    for k in firsts:
+        assert greedy_until(model, tok, "the lord said", (), 30, stop_ids=[ids[k]]) == tok.decode(ids[:k])
+        assert greedy_until(model, tok, "the lord said", (), 30, stop_ids=[999, ids[k], ids[0]]) == ""

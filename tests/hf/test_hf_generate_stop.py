@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 from eos_helpers import EOS, PAD, deepseek_tokenizer, save_folder  # tests/hf/
@@ -113,3 +114,131 @@ def autotokenizer_decode(folder: Path, ids: list[int]) -> str:
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(folder).decode(ids)
+
+
+def listing_folder(hf, path: Path, stop: int) -> Path:
+    """Llama 3 Instruct's shape: the tokenizer's eos and one more id, both in generation_config.json."""
+    folder = save_folder(hf, path, model=True)
+    data = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**data, "eos_token_id": [hf.token_to_id(EOS), stop]}))
+    return folder
+
+
+def test_an_imported_run_keeps_the_folders_other_eos_ids_and_its_export_lists_them(tmp_path: Path, greedy) -> None:
+    """`import` writes the folder's other eos ids into the run's config (data.stop_tokens, as tokens);
+    `generate` of the run stops where transformers' `generate` of the folder stops; `export` lists them in
+    generation_config.json again, where transformers' `generate` of the export stops too; importing that
+    export gives the same run config."""
+    from hybridnorm.train.config import TrainConfig
+
+    hf, ids, stop = greedy
+    folder = listing_folder(hf, tmp_path / "listed", stop)
+    want = stock_generate(folder, stop)
+    run = tmp_path / "imported"
+    cli("import", str(folder), "--out", str(run))
+    assert TrainConfig.load(run / "config.yaml").data.stop_tokens == (hf.id_to_token(stop),)
+    assert generate(run) == want
+    assert generate(run, "--ignore-eos") == autotokenizer_decode(folder, ids[1:])
+    exported = tmp_path / "exported"
+    cli("export", str(run), "--to", "hf", str(exported))
+    listed = json.loads((exported / "generation_config.json").read_text())["eos_token_id"]
+    assert listed == [hf.token_to_id(EOS), stop]
+    assert json.loads((exported / "config.json").read_text())["eos_token_id"] == hf.token_to_id(EOS)
+    assert stock_generate(exported, stop) == want  # the same weights: the same text, stopped at the same token
+    assert generate(exported) == want
+    cli("import", str(exported), "--out", str(tmp_path / "again"))
+    assert (TrainConfig.load(tmp_path / "again" / "config.yaml").data.stop_tokens
+            == TrainConfig.load(run / "config.yaml").data.stop_tokens)
+
+
+def test_fine_tuning_an_imported_run_keeps_its_stop_tokens(tmp_path: Path, greedy, corpus: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's fine-tune command (`train RUN/config.yaml --out RUN --resume`) carries data.stop_tokens
+    into the new checkpoint's own copy of the config, from which a copied-out checkpoint generates."""
+    import shutil
+
+    from train_helpers import tiny_overrides  # tests/
+
+    import hybridnorm.train.trainer as trainer
+    from hybridnorm.train.config import TrainConfig, apply_overrides
+    from hybridnorm.train.run import open_run
+
+    monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
+    hf, _, stop = greedy
+    run = tmp_path / "imported"
+    cli("import", str(listing_folder(hf, tmp_path / "listed", stop)), "--out", str(run))
+    small = [a for a in tiny_overrides(corpus, tmp_path / "cache", run) if a.startswith(
+        ("--data.source", "--data.cache_dir", "--seq_len", "--batch_size", "--eval_", "--ckpt_", "--device"))]
+    cfg = TrainConfig.from_dict(apply_overrides(TrainConfig.load(run / "config.yaml").to_dict(),
+                                                [*small, "--max_steps=1", "--optim.warmup_steps=1"]))
+    trainer.train(cfg, resume=True, quiet=True)
+    ckpt = run / "checkpoints" / "step_000001"
+    assert TrainConfig.load(ckpt / "config.yaml").data.stop_tokens == (hf.id_to_token(stop),)
+    shutil.copytree(ckpt, tmp_path / "alone")  # a checkpoint copied out of its run opens on its own
+    assert open_run(tmp_path / "alone").stop_ids == (stop,)
+
+
+def test_a_stop_token_the_tokenizer_lacks_is_one_error(tmp_path: Path, greedy, corpus: Path) -> None:
+    """Set by hand: `train --data.stop_tokens=[...]` refuses a token that is not a vocabulary entry before it
+    writes anything, and a run config edited to name one is refused by `generate`, naming the file."""
+    from train_helpers import tiny_overrides  # tests/
+
+    hf, _, stop = greedy
+    run = tmp_path / "imported"
+    cli("import", str(listing_folder(hf, tmp_path / "listed", stop)), "--out", str(run))
+    ckpt = run / "checkpoints" / "step_000000"  # as written before checkpoints kept a copy of config.yaml:
+    manifest = json.loads((ckpt / "manifest.json").read_text())  # the run's own, editable by hand, is read
+    del manifest["config.yaml"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    (ckpt / "config.yaml").unlink()
+    data = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    assert data["data"]["stop_tokens"] == [hf.id_to_token(stop)]
+    data["data"]["stop_tokens"] = ["<|no such token|>"]
+    (run / "config.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
+    err = cli("generate", str(run), "--prompt", PROMPT, ok=False).stderr.strip().splitlines()
+    assert len(err) == 1 and "data.stop_tokens names '<|no such token|>'" in err[0], err
+    assert str(run / "config.yaml") in err[0]
+
+    out = tmp_path / "trained"
+    args = [*tiny_overrides(corpus, tmp_path / "cache", out), "--max_steps=1"]
+    for bad, says in ((["<|no such token|>"], "names '<|no such token|>', which is not a token of the run's bytes"),
+                      ([""], "a stop token is one vocabulary entry, not ''"),
+                      ("<|endoftext|>", "must be a list")):
+        done = cli("train", *args, f"--data.stop_tokens={json.dumps(bad)}", ok=False)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "data.stop_tokens" in lines[0], done.stderr
+        assert not out.exists() or not any(out.iterdir())  # the trainer claims the folder; nothing written
+    # the byte tokenizer's one named token is its end-of-text token: a valid (if redundant) stop token
+    cli("train", *args, '--data.stop_tokens=["<|endoftext|>"]')
+    assert (out / "checkpoints" / "step_000001").is_dir()
+
+
+def test_lm_eval_generate_until_of_an_imported_run_stops_at_its_stop_tokens(tmp_path: Path, greedy) -> None:
+    """lm-eval's own ``simple_evaluate`` of a generate_until task on the imported run: each generation ends
+    before the folder's other eos id, as greedy decoding cut there by hand (the greedy ids without it)."""
+    pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+    from hybridnorm.eval.lm_eval_adapter import run_lm_eval
+    from hybridnorm.eval.scoring import greedy_until
+    from hybridnorm.train.run import open_run
+
+    hf, ids, stop = greedy
+    run = tmp_path / "imported"
+    cli("import", str(listing_folder(hf, tmp_path / "listed", stop)), "--out", str(run))
+    data = tmp_path / "gen.jsonl"
+    data.write_text(json.dumps({"context": PROMPT, "answer": "x"}) + "\n", encoding="utf-8")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tmp_stop.yaml").write_text(
+        f"task: tmp_stop\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        f"  cache_dir: {tmp_path / 'hf-cache'}\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{context}}'\ndoc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['\\n\\n\\n']\n"
+        f"  max_gen_toks: {N}\n  do_sample: false\nmetric_list:\n  - metric: exact_match\nmetadata:\n  version: 1.0\n",
+        encoding="utf-8")
+    res = run_lm_eval(run, ["tmp_stop"], include_path=tasks, log_samples=True, include_defaults=False)
+    got = res["samples"]["tmp_stop"][0]["filtered_resps"][0]
+    new = ids[-N:]
+    k = new.index(stop)
+    r = open_run(run)
+    assert got == r.tokenizer.decode(new[:k])  # lm-eval's context is the prompt without its trailing space
+    assert got == greedy_until(r.model, r.tokenizer, PROMPT, ["\n\n\n"], N, stop_ids=[stop])
+    assert greedy_until(r.model, r.tokenizer, PROMPT, ["\n\n\n"], N) == r.tokenizer.decode(new)  # unstopped

@@ -53,6 +53,8 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
     def save(self, directory: str | Path) -> Path: ...
+    def token_to_id(self, token: str) -> int | None: ...  # a vocabulary entry's id (None: no such token)
+    def id_to_token(self, token_id: int) -> str | None: ...
 
 
 class ByteTokenizer:
@@ -89,6 +91,12 @@ class ByteTokenizer:
 
     def save(self, directory: str | Path) -> Path:
         return atomic_write(Path(directory) / "tokenizer.json", self._json())
+
+    def token_to_id(self, token: str) -> int | None:  # a byte is no string: the one named token is eot
+        return self.eot_id if token == EOT else None
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return EOT if token_id == self.eot_id else None
 
 
 class BPETokenizer:
@@ -145,6 +153,26 @@ class BPETokenizer:
         if self.declared_eos:  # first: a tokenizer.json beside it is only ever read with it
             atomic_write(Path(directory) / EOS_FILE, self._eos_json())
         return atomic_write(Path(directory) / "tokenizer.json", self.hf.to_str())
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.hf.id_to_token(token_id)
+
+
+def stop_token_ids(tokens: Sequence[str], tokenizer: Tokenizer, where: str) -> tuple[int, ...]:
+    """The ids of ``tokens`` (``data.stop_tokens``: where generation ends besides the end-of-text token), each
+    a whole entry of ``tokenizer``'s vocabulary; one ConfigError naming ``where`` and the token otherwise."""
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ConfigError(f"{where}: data.stop_tokens names {token!r}, which is not a token of the run's "
+                              f"{tokenizer.kind} tokenizer (a stop token is one vocabulary entry, such as "
+                              f"{tokenizer.id_to_token(tokenizer.eot_id)!r})"[:400])
+        ids.append(token_id)
+    return tuple(dict.fromkeys(ids))
 
 
 def alias_eot_id(hf: object) -> int | None:

@@ -131,7 +131,7 @@ class HybridNormLM(_LMBase):
                               stacklevel=2)
                 self._warned_sampling = True
             text = greedy_until(self.model, self.tokenizer, context, [*until, eot],
-                                _positive_int(max_gen, "max_gen_toks"))
+                                _positive_int(max_gen, "max_gen_toks"), stop_ids=self.run.stop_ids)
             self.cache_hook.add_partial("generate_until", req.args, text)
             out.append(text)
         return out

@@ -165,9 +165,10 @@ def cut_at_stop(text: str, until: Sequence[str]) -> str:
 
 @torch.inference_mode()
 def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
-                 max_gen_toks: int = 256) -> str:
+                 max_gen_toks: int = 256, stop_ids: Sequence[int] = ()) -> str:
     """Greedy continuation of ``context`` (prefixed with the start token) up to ``max_gen_toks`` tokens, the
-    EOT token, or the first stop string in ``until`` (which is cut off, as lm-eval does).
+    EOT token or one of ``stop_ids`` (a run's other stop tokens: where an HF model's ``generate`` stops for
+    lm-eval's HF backend), or the first stop string in ``until`` (which is cut off, as lm-eval does).
 
     As in HFLM the context is left-truncated to leave room for ``max_gen_toks`` new tokens, but it keeps at
     least half the window (HFLM refuses ``max_gen_toks >= max_seq_len``); when the window is full,
@@ -175,7 +176,7 @@ def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until
     """
     if max_gen_toks < 0:
         raise ConfigError(f"max_gen_toks={max_gen_toks} must be >= 0")
-    max_len, vocab, eot = model.config.max_seq_len, model.config.vocab_size, tokenizer.eot_id
+    max_len, vocab, stops = model.config.max_seq_len, model.config.vocab_size, {tokenizer.eot_id, *stop_ids}
     device = model.embed.weight.device
     ids = [tokenizer.start_id, *tokenizer.encode(context)][-max(max_len // 2, max_len - max_gen_toks, 1):]
 
@@ -187,7 +188,7 @@ def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until
     out: list[int] = []
     for _ in range(max_gen_toks):
         nxt = int(logits[:vocab].argmax())
-        if nxt == eot:
+        if nxt in stops:
             break
         out.append(nxt)
         if until:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from hybridnorm.config import ModelConfig
 from hybridnorm.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
@@ -82,8 +83,11 @@ def _byte_level_tokenizer():  # -> tokenizers.Tokenizer
 
 
 def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer | None = None,
-                 arch: str = "auto", dtype: str = "float32", source: str | None = None) -> ExportResult:
-    """Save ``model`` (and its tokenizer) as a Hugging Face folder; see the module docstring."""
+                 arch: str = "auto", dtype: str = "float32", source: str | None = None,
+                 stop_ids: Sequence[int] = ()) -> ExportResult:
+    """Save ``model`` (and its tokenizer) as a Hugging Face folder; see the module docstring. ``stop_ids``
+    (a run's ``data.stop_tokens``) join the tokenizer's end-of-text token in ``generation_config.json``'s
+    ``eos_token_id``, where transformers' ``generate`` stops (config.json keeps the one eos)."""
     if arch not in ARCH_CHOICES:
         raise ConfigError(f"--arch={arch!r} is not one of {', '.join(ARCH_CHOICES)}")
     if dtype not in DTYPES:
@@ -112,6 +116,12 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
             reason = f"--arch={MODEL_TYPE} asked for hybridnorm's own class ({reason})"
     hf = hf.to(DTYPES[dtype])
     cfg.dtype = DTYPES[dtype]
+    if extra := [i for i in dict.fromkeys(stop_ids) if i != eos]:
+        if eos is None:
+            raise ConfigError("export: stop_ids need the tokenizer (its end-of-text token is the first eos)")
+        # a GenerationConfig of its own, not one marked as derived from config.json, which transformers may
+        # rebuild from config.json's single eos_token_id
+        hf.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, *extra])
     # checked writable above; a disk that fills up fails here, leaving nothing (written aside, renamed at the end)
     with staged_folder(out, "export folder") as tmp, folder.quiet_transformers():
         hf.save_pretrained(tmp)
@@ -152,7 +162,8 @@ def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype:
     else:
         check_run_fits(path, copies=2)  # the run's model, then the export class's copy of it
         run = open_run(path)
-    return export_model(run.model, out_dir, run.tokenizer, arch=arch, dtype=dtype, source=str(run.checkpoint))
+    return export_model(run.model, out_dir, run.tokenizer, arch=arch, dtype=dtype, source=str(run.checkpoint),
+                        stop_ids=run.stop_ids)
 
 
 def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM, str]:
@@ -209,10 +220,15 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
                           f"{mc.embedding_size} embedding rows")
     if tokenizer.vocab_size < mc.embedding_size:  # HF pads vocabularies; keep the rows, sample only real ids
         mc.vocab_size, mc.pad_vocab_multiple = tokenizer.vocab_size, mc.embedding_size
-    cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str(tok_file.resolve())),
+    # the folder's other eos ids, as tokens: `import` keeps them in the run's config (data.stop_tokens)
+    stop_ids = tuple(i for i in folder.eos_ids(path, mc.vocab_size) if i != tokenizer.eot_id)
+    stop_tokens = tuple(tokenizer.id_to_token(i) for i in stop_ids)
+    if None in stop_tokens:  # an id inside the vocabulary size that names no token (a hole in the ids)
+        raise ConfigError(f"{path}: eos_token_id {stop_ids[stop_tokens.index(None)]} is no token of {tok_file}")
+    cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str(tok_file.resolve()), stop_tokens=stop_tokens),
                       seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(path))
     return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer, tokenizer_file=tok_file,
-               stop_ids=folder.eos_ids(path, mc.vocab_size))
+               stop_ids=stop_ids)
 
 
 def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False) -> Path:

@@ -34,6 +34,9 @@ class DataConfig(Config):
     tokenizer: str = "bpe"         # bpe | bytes | path to a tokenizer.json
     vocab_size: int = bounded(8192, ge=MIN_BPE_VOCAB)  # for bpe
     cache_dir: str | None = None   # None: $HYBRIDNORM_CACHE or ~/.cache/hybridnorm
+    stop_tokens: tuple[str, ...] = ()  # tokens besides the tokenizer's end-of-text token at which generation
+                                   # ends (an imported chat model's <|eot_id|> / <|im_end|>: its folder's other
+                                   # eos ids); vocabulary entries of the tokenizer. Training does not use them
 
     def check(self) -> None:
         if not self.source.strip():
@@ -41,6 +44,9 @@ class DataConfig(Config):
         if self.cache_dir is not None and not self.cache_dir.strip():  # "" would be the current folder
             raise ConfigError("data.cache_dir='' is empty: leave it out ($HYBRIDNORM_CACHE, else "
                               "~/.cache/hybridnorm) or name a folder")
+        if any(not token for token in self.stop_tokens):
+            raise ConfigError(f"data.stop_tokens={list(self.stop_tokens)!r}: a stop token is one vocabulary entry, "
+                              "not ''"[:300])
         if self.tokenizer not in TOKENIZERS and not (self.tokenizer.strip() and Path(self.tokenizer).exists()):
             raise ConfigError(f"data.tokenizer={self.tokenizer!r} is not one of "
                               f"{', '.join(map(repr, TOKENIZERS))} nor an existing tokenizer.json")

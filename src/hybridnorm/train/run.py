@@ -14,6 +14,7 @@ from pathlib import Path
 from hybridnorm import plain_data
 from hybridnorm.config_base import show
 from hybridnorm.data import Tokenizer, load_tokenizer
+from hybridnorm.data.tokenizer import stop_token_ids
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import (
@@ -35,8 +36,9 @@ class Run:
     model: TransformerLM
     tokenizer: Tokenizer
     tokenizer_file: Path  # the tokenizer.json read: the checkpoint's own copy, else the run folder's
-    # eos ids besides the tokenizer's end-of-text token that generation stops at: a Hugging Face folder's
-    # (Llama 3 Instruct's <|eot_id|>, Qwen3's <|im_end|>: hybridnorm.hf.folder.eos_ids); a run folder has none
+    # ids besides the tokenizer's end-of-text token that generation stops at: a run's data.stop_tokens, a
+    # Hugging Face folder's other eos ids (Llama 3 Instruct's <|eot_id|>, Qwen3's <|im_end|>:
+    # hybridnorm.hf.folder.eos_ids; `import` writes them into the run's config as data.stop_tokens)
     stop_ids: tuple[int, ...] = ()
 
 
@@ -108,7 +110,8 @@ def open_run(path: str | Path) -> Run:
         raise ConfigError(f"vocab mismatch: tokenizer {tok_file} has {tokenizer.vocab_size} "
                           f"tokens but {cfg_file} gives the model vocab_size {cfg.model.vocab_size} "
                           "(a smaller tokenizer could not decode every id the model emits)")
+    stop_ids = stop_token_ids(cfg.data.stop_tokens, tokenizer, str(cfg_file))
     model = TransformerLM(cfg.model)
     load_weights(ckpt, model)  # names, shapes, header dtypes and finiteness checked before anything loads
     model.eval()
-    return Run(run_dir, ckpt, cfg, model, tokenizer, tok_file)
+    return Run(run_dir, ckpt, cfg, model, tokenizer, tok_file, stop_ids)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hybridnorm.data import PreparedData, TokenBatches, prepare_data
+from hybridnorm.data.tokenizer import stop_token_ids
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.kernels.float8 import convert_to_float8, float8_unsupported
@@ -170,6 +171,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     ckpt = found.path
 
     data = _prepare_data(cfg, d)
+    stop_token_ids(cfg.data.stop_tokens, data.tokenizer, "the run's config")  # generation's: checked now, not then
     vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size != vocab:  # the model's vocab always follows the tokenizer's
         cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab))
