@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from hybridnorm.config import ModelConfig
+from hybridnorm.data import chat_templates
 from hybridnorm.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.hf import folder, remote_code, stock
@@ -44,13 +45,16 @@ class ExportResult:
     reason: str  # why this class: the match, or why no stock class fits
 
 
-def hf_tokenizer(tok: Tokenizer, max_length: int | None = None) -> PreTrainedTokenizerFast:
+def hf_tokenizer(tok: Tokenizer, max_length: int | None = None,
+                 chats: dict[str, str] | None = None) -> PreTrainedTokenizerFast:
     """Our tokenizer as a ``PreTrainedTokenizerFast`` with the same ids; ``<|endoftext|>`` (our document
     separator) serves as bos, eos and pad, and is prepended by default (``add_special_tokens=True``) as
     ``hybridnorm generate`` and the evaluators prepend it: training saw every document right after one. A
     tokenizer whose own start token is another (an imported folder's BOS: ``Tokenizer.start_id``) keeps it
     as bos, prepended, and its end-of-text token as eos and pad.
-    ``model_max_length`` is the model's context (``max_length``). The byte tokenizer becomes an equivalent
+    ``model_max_length`` is the model's context (``max_length``); ``chats``, a run's chat templates (``{name:
+    Jinja text}``), its ``chat_template`` (saved as ``chat_template.jinja`` and ``additional_chat_templates/``).
+    The byte tokenizer becomes an equivalent
     HF byte-level model: a BPE with the 256 byte symbols as ids 0..255 and no merges."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.processors import TemplateProcessing
@@ -65,7 +69,8 @@ def hf_tokenizer(tok: Tokenizer, max_length: int | None = None) -> PreTrainedTok
     inner.post_processor = TemplateProcessing(single=f"{start} $A", pair=f"{start} $A $B:1",
                                               special_tokens=[(start, tok.start_id)])
     return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=start, eos_token=eot, pad_token=eot,
-                                   model_max_length=max_length or int(1e30), clean_up_tokenization_spaces=False)
+                                   model_max_length=max_length or int(1e30), clean_up_tokenization_spaces=False,
+                                   chat_template=chat_templates.for_transformers(chats or {}))
 
 
 def _byte_level_tokenizer():  # -> tokenizers.Tokenizer
@@ -84,10 +89,11 @@ def _byte_level_tokenizer():  # -> tokenizers.Tokenizer
 
 def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer | None = None,
                  arch: str = "auto", dtype: str = "float32", source: str | None = None,
-                 stop_ids: Sequence[int] = ()) -> ExportResult:
+                 stop_ids: Sequence[int] = (), chats: dict[str, str] | None = None) -> ExportResult:
     """Save ``model`` (and its tokenizer) as a Hugging Face folder; see the module docstring. ``stop_ids``
     (a run's ``data.stop_tokens``) join the tokenizer's end-of-text token in ``generation_config.json``'s
-    ``eos_token_id``, where transformers' ``generate`` stops (config.json keeps the one eos)."""
+    ``eos_token_id``, where transformers' ``generate`` stops (config.json keeps the one eos); ``chats`` (a run's
+    chat templates) go with the tokenizer."""
     if arch not in ARCH_CHOICES:
         raise ConfigError(f"--arch={arch!r} is not one of {', '.join(ARCH_CHOICES)}")
     if dtype not in DTYPES:
@@ -126,7 +132,7 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
     with staged_folder(out, "export folder") as tmp, folder.quiet_transformers():
         hf.save_pretrained(tmp)
         if tokenizer is not None:
-            hf_tokenizer(tokenizer, mc.max_seq_len).save_pretrained(tmp)
+            hf_tokenizer(tokenizer, mc.max_seq_len, chats).save_pretrained(tmp)
         (tmp / "hybridnorm_export.json").write_text(json.dumps({
             "class": class_name, "stock": is_stock, "reason": reason,
             "placement": mc.resolved_placement().to_dict(), "source": source}, indent=1, default=str),
@@ -163,7 +169,7 @@ def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype:
         check_run_fits(path, copies=2)  # the run's model, then the export class's copy of it
         run = open_run(path)
     return export_model(run.model, out_dir, run.tokenizer, arch=arch, dtype=dtype, source=str(run.checkpoint),
-                        stop_ids=run.stop_ids)
+                        stop_ids=run.stop_ids, chats=run.chat_templates)
 
 
 def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM, str]:
@@ -228,7 +234,7 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str(tok_file.resolve()), stop_tokens=stop_tokens),
                       seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(path))
     return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer, tokenizer_file=tok_file,
-               stop_ids=stop_ids)
+               stop_ids=stop_ids, chat_templates=chat_templates.read_hf_folder(path))
 
 
 def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False) -> Path:
@@ -239,12 +245,14 @@ def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False)
     run = load_hf_run(path, allow_pickle=allow_pickle)
     warn_training_only_fields(path, "run folder")
     cfg = run.config
+    names = ("config.yaml", *run.tokenizer.files, *((chat_templates.FILE,) if run.chat_templates else ()))
     with staged_folder(out, "run folder") as tmp:  # all or nothing: no half run behind a failure
         run.tokenizer.save(tmp)
+        if run.chat_templates:  # an instruct model's: `export` writes them back for apply_chat_template
+            (tmp / chat_templates.FILE).write_text(chat_templates.dumps(run.chat_templates), encoding="utf-8")
         cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
         (tmp / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes
         save_checkpoint(tmp / "checkpoints", run.model, opt, TrainState(step=0, tokens=0),
-                        run_files={name: (tmp / name).read_bytes()
-                                   for name in ("config.yaml", *run.tokenizer.files)})
+                        run_files={name: (tmp / name).read_bytes() for name in names})
     return out

@@ -8,17 +8,18 @@ each other.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridnorm import plain_data
 from hybridnorm.config_base import show
-from hybridnorm.data import Tokenizer, load_tokenizer
+from hybridnorm.data import Tokenizer, chat_templates, load_tokenizer
 from hybridnorm.data.tokenizer import stop_token_ids
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import (
     CheckpointError,
+    checked_own_run_file,
     checked_run_file,
     checked_tokenizer_file,
     latest_checkpoint,
@@ -40,6 +41,24 @@ class Run:
     # Hugging Face folder's other eos ids (Llama 3 Instruct's <|eot_id|>, Qwen3's <|im_end|>:
     # hybridnorm.hf.folder.eos_ids; `import` writes them into the run's config as data.stop_tokens)
     stop_ids: tuple[int, ...] = ()
+    # {name: Jinja text} for transformers' apply_chat_template: an HF folder's, or the checkpoint's copy of an
+    # imported run's chat_templates.json (hybridnorm.data.chat_templates); export writes them back
+    chat_templates: dict[str, str] = field(default_factory=dict)
+
+
+def write_run_files(run_dir: Path, config_yaml: str, tokenizer: Tokenizer, resumed: Path | None) -> dict[str, bytes]:
+    """Write a training run's ``config.yaml`` and tokenizer into ``run_dir``; returns the run files every
+    checkpoint keeps a copy of: those, only what the tokenizer wrote (a stale file of another tokenizer in the
+    folder is not copied), and the chat templates of the checkpoint ``resumed`` (an imported instruct model's,
+    carried from checkpoint to checkpoint: :mod:`hybridnorm.data.chat_templates`)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_yaml, encoding="utf-8")
+    tokenizer.save(run_dir)
+    files = {name: (run_dir / name).read_bytes() for name in ("config.yaml", *tokenizer.files)}
+    if resumed is not None and (chats := checked_own_run_file(resumed, chat_templates.FILE)) is not None:
+        files[chat_templates.FILE] = chats.read_bytes()
+        (run_dir / chat_templates.FILE).write_bytes(files[chat_templates.FILE])
+    return files
 
 
 def split_run_path(path: Path) -> tuple[Path | None, Path]:
@@ -111,7 +130,9 @@ def open_run(path: str | Path) -> Run:
                           f"tokens but {cfg_file} gives the model vocab_size {cfg.model.vocab_size} "
                           "(a smaller tokenizer could not decode every id the model emits)")
     stop_ids = stop_token_ids(cfg.data.stop_tokens, tokenizer, str(cfg_file))
+    chat_file = checked_own_run_file(ckpt, chat_templates.FILE)
+    chats = chat_templates.read(chat_file) if chat_file is not None else {}
     model = TransformerLM(cfg.model)
     load_weights(ckpt, model)  # names, shapes, header dtypes and finiteness checked before anything loads
     model.eval()
-    return Run(run_dir, ckpt, cfg, model, tokenizer, tok_file, stop_ids)
+    return Run(run_dir, ckpt, cfg, model, tokenizer, tok_file, stop_ids, chats)

@@ -69,6 +69,7 @@ from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.provenance import code_versions, hardware
 from hybridnorm.train.resume_guard import check_resume
+from hybridnorm.train.run import write_run_files
 from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
 from hybridnorm.train.stop import StopFlag
 
@@ -206,14 +207,8 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
                            world_size=d.world_size, grad_accum=cfg.grad_accum)
     if state.data:
         batches.load_state_dict(state.data)
-    run_files: dict[str, bytes] = {}  # kept in every checkpoint too: a checkpoint folder opens on its own
-    if d.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
-        data.tokenizer.save(run_dir)
-        # what the tokenizer wrote (a tokenizer_config.json only with a declared end-of-text token): a stale
-        # file of another tokenizer in the run folder is not copied
-        run_files = {name: (run_dir / name).read_bytes() for name in ("config.yaml", *data.tokenizer.files)}
+    # kept in every checkpoint too: a checkpoint folder opens on its own
+    run_files = write_run_files(run_dir, cfg.to_yaml(), data.tokenizer, ckpt) if d.is_main else {}
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     # a GPU's datasheet peak where known (flops.py: a timed matmul reads far under it on a GPU), else measured

@@ -19,6 +19,7 @@ from hybridnorm.train.checkpoint.format import (
     FILES,
     CheckpointError,
     check_checkpoint,
+    checked_own_run_file,
     checked_run_file,
     checked_tokenizer_file,
     list_checkpoints,
@@ -37,7 +38,7 @@ from hybridnorm.train.checkpoint.save import (
 )
 
 __all__ = ["FILES", "LOCK_NAME", "RUN_FILES", "CheckpointError", "CheckpointSaveError", "PendingSave", "ResumePoint",
-           "TrainState", "check_checkpoint", "checked_run_file", "checked_tokenizer_file",
+           "TrainState", "check_checkpoint", "checked_own_run_file", "checked_run_file", "checked_tokenizer_file",
            "checkpoint_for_resume", "claim_run_dir",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_weights", "prune_checkpoints",
            "save_checkpoint", "start_checkpoint", "verify_checkpoint"]

@@ -144,6 +144,19 @@ def checked_tokenizer_file(ckpt: Path) -> Path:
     return checked_run_file(ckpt, "tokenizer.json")
 
 
+def checked_own_run_file(ckpt: Path, name: str) -> Path | None:
+    """``ckpt``'s own copy of ``name`` (one of :data:`RUN_FILES`), checked as :func:`checked_run_file` checks
+    it, or None where its manifest records none: for a file added to the run files later than the others (a
+    run's chat templates), whose absence from a checkpoint means the run has none, so there is no run-folder
+    file to fall back on."""
+    manifest = read_manifest(ckpt)
+    if name in manifest:
+        _check_file(ckpt, name, manifest[name])
+        return ckpt / name
+    _check_recorded(ckpt, manifest, name)
+    return None
+
+
 def _check_recorded(ckpt: Path, manifest: dict[str, Any], name: str) -> None:
     """A copy of a run file the manifest does not vouch for would be read in place of the run's."""
     if name not in manifest and (ckpt / name).exists():

@@ -1,0 +1,168 @@
+"""An instruct model's chat templates travel: a folder's (each layout transformers reads) -> `hybridnorm import`
+-> fine-tuning (`train --resume`) -> `hybridnorm export`, after which transformers' own `apply_chat_template`
+formats every conversation exactly as it did from the original folder. Oracle: ``AutoTokenizer`` of the
+original folder. Also: a folder without one gives a run and an export without one, and every bad or damaged
+file is one error naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+from eos_helpers import BOS, EOS, deepseek_tokenizer, save_folder  # tests/hf/
+
+# a Llama 3 style template (special tokens, the BOS from the tokenizer, a generation prompt) and a second one
+DEFAULT = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] | trim }}{{ eos_token }}"
+           "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
+TOOLS = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+         "{% if tools %}TOOLS: {{ tools | length }}{% endif %}")
+CHAT = [{"role": "system", "content": "Thou art brief."}, {"role": "user", "content": "  Who said unto Moses? "},
+        {"role": "assistant", "content": "The lord."}, {"role": "user", "content": "And then?"}]
+LAYOUTS = {  # how the folder holds them -> what transformers' AutoTokenizer reads
+    "jinja": (DEFAULT, "files"),
+    "jinja-and-named": ({"default": DEFAULT, "tool_use": TOOLS}, "files"),
+    "tokenizer_config-string": (DEFAULT, "config"),
+    "tokenizer_config-list": ({"default": DEFAULT, "tool_use": TOOLS}, "config"),
+}
+
+
+def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode == 0) == ok, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus: Path):
+    return deepseek_tokenizer(corpus)
+
+
+def chat_folder(hf, path: Path, layout: str) -> Path:
+    """A DeepSeek-style folder (stock Llama, random weights) whose tokenizer carries the layout's templates."""
+    import transformers
+
+    save_folder(hf, path, model=True)
+    templates, where = LAYOUTS[layout]
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=BOS, eos_token=EOS,
+                                                chat_template=templates)
+    fast.save_pretrained(path, save_jinja_files=where == "files")  # transformers' two ways of saving them
+    assert ((path / "chat_template.jinja").is_file()) == (where == "files")
+    return path
+
+
+def formatted(folder: Path, **kw) -> list[list[int]]:
+    """transformers' own formatting of the conversation (and of each prefix of it), as token ids."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    return [tok.apply_chat_template(CHAT[:n], add_generation_prompt=True, tokenize=True, return_dict=False, **kw)
+            for n in range(1, len(CHAT) + 1)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_import_and_export_keep_every_layouts_templates(tmp_path: Path, tokenizer, layout: str) -> None:
+    import transformers
+
+    from hybridnorm.data.chat_templates import FILE, read_hf_folder
+
+    folder = chat_folder(tokenizer, tmp_path / "instruct", layout)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder).chat_template
+    assert theirs == LAYOUTS[layout][0]  # what transformers reads, and so what must survive
+    named = {"default": theirs} if isinstance(theirs, str) else theirs
+    assert read_hf_folder(folder) == named
+    run, exported = tmp_path / "run", tmp_path / "exported"
+    cli("import", str(folder), "--out", str(run))
+    ckpt = run / "checkpoints" / "step_000000"
+    assert FILE in json.loads((ckpt / "manifest.json").read_text())
+    assert json.loads((ckpt / FILE).read_text(encoding="utf-8")) == named
+    cli("export", str(run), "--to", "hf", str(exported))
+    assert transformers.AutoTokenizer.from_pretrained(exported).chat_template == theirs
+    assert formatted(exported) == formatted(folder)
+    if "tool_use" in named:
+        tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
+        assert (formatted(exported, chat_template="tool_use", tools=tools)
+                == formatted(folder, chat_template="tool_use", tools=tools))
+
+
+def test_fine_tuning_keeps_them_and_a_folder_without_any_gives_none(tmp_path: Path, tokenizer, corpus: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's fine-tune command (`train RUN/config.yaml --out RUN --resume`) copies the templates into
+    the new checkpoint; an export of that checkpoint, copied out of its run, formats as the folder did."""
+    import transformers
+    from train_helpers import tiny_overrides  # tests/
+
+    import hybridnorm.train.trainer as trainer
+    from hybridnorm.data.chat_templates import FILE
+    from hybridnorm.train.config import TrainConfig, apply_overrides
+
+    monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
+    folder = chat_folder(tokenizer, tmp_path / "instruct", "jinja-and-named")
+    run = tmp_path / "run"
+    cli("import", str(folder), "--out", str(run))
+    small = [a for a in tiny_overrides(corpus, tmp_path / "cache", run) if a.startswith(
+        ("--data.source", "--data.cache_dir", "--seq_len", "--batch_size", "--eval_", "--ckpt_", "--device"))]
+    steps = ["--max_steps=2", "--ckpt_interval=1", "--optim.warmup_steps=1"]
+    cfg = TrainConfig.from_dict(apply_overrides(TrainConfig.load(run / "config.yaml").to_dict(), [*small, *steps]))
+    trainer.train(cfg, resume=True, quiet=True)
+    for step in (1, 2):  # the first resumed checkpoint and the one after it (carried on, not re-imported)
+        ckpt = run / "checkpoints" / f"step_{step:06d}"
+        assert FILE in json.loads((ckpt / "manifest.json").read_text())
+    shutil.copytree(run / "checkpoints" / "step_000002", tmp_path / "alone")
+    cli("export", str(tmp_path / "alone"), "--to", "hf", str(tmp_path / "exported"))
+    assert formatted(tmp_path / "exported") == formatted(folder)
+
+    plain = save_folder(tokenizer, tmp_path / "base", model=True)
+    cli("import", str(plain), "--out", str(tmp_path / "base-run"))
+    assert not (tmp_path / "base-run" / FILE).exists()
+    assert FILE not in json.loads((tmp_path / "base-run" / "checkpoints" / "step_000000" / "manifest.json").read_text())
+    cli("export", str(tmp_path / "base-run"), "--to", "hf", str(tmp_path / "base-export"))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "base-export").chat_template is None
+    assert not (tmp_path / "base-export" / "chat_template.jinja").exists()
+
+
+@pytest.mark.parametrize(("where", "content", "says"), [
+    ("tokenizer_config.json", {"chat_template": 5}, "chat_template must be a Jinja string or a list"),
+    ("tokenizer_config.json", {"chat_template": [{"name": "a"}]}, "chat_template must be a Jinja string or a list"),
+    ("tokenizer_config.json", {"chat_template": [{"name": 3, "template": "x"}]}, "chat template 3 must be a name"),
+    ("tokenizer_config.json", {"chat_template": [{"name": "a", "template": ["x"]}]}, "chat template 'a' must be"),
+    ("chat_template.jinja", b"\xff\xfe{{ x }}", "is not UTF-8 text"),
+    ("additional_chat_templates/tool_use.jinja", b"{{ \xc3 }}", "is not UTF-8 text"),
+])
+def test_a_bad_template_in_a_folder_is_one_error_naming_the_file(tmp_path: Path, tokenizer, where: str,
+                                                                 content: object, says: str) -> None:
+    folder = save_folder(tokenizer, tmp_path / "bad", model=True)
+    file = folder / where
+    file.parent.mkdir(exist_ok=True)
+    if isinstance(content, dict):
+        content = json.dumps({**json.loads((folder / "tokenizer_config.json").read_text()), **content}).encode()
+    file.write_bytes(content)
+    err = cli("import", str(folder), "--out", str(tmp_path / "run"), ok=False).stderr.strip().splitlines()
+    assert len(err) == 1 and str(file) in err[0] and says in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_damaged_or_stray_copy_in_a_checkpoint_is_one_error(tmp_path: Path, tokenizer) -> None:
+    from hybridnorm.data.chat_templates import FILE
+
+    run = tmp_path / "run"
+    cli("import", str(chat_folder(tokenizer, tmp_path / "instruct", "jinja")), "--out", str(run))
+    ckpt = run / "checkpoints" / "step_000000"
+    good = (ckpt / FILE).read_bytes()
+    (ckpt / FILE).write_bytes(good.replace(b"assistant", b"assistent"))  # same size: only the hash can tell
+    err = cli("export", str(ckpt), "--to", "hf", str(tmp_path / "out"), ok=False).stderr.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint file {ckpt / FILE} is corrupt" in err[0], err
+    (ckpt / FILE).write_bytes(good)
+
+    base = tmp_path / "base-run"
+    cli("import", str(save_folder(tokenizer, tmp_path / "base", model=True)), "--out", str(base))
+    stray = base / "checkpoints" / "step_000000" / FILE
+    stray.write_bytes(good)  # dropped in by hand: the checkpoint was not written with it
+    err = cli("export", str(base), "--to", "hf", str(tmp_path / "out2"), ok=False).stderr.strip().splitlines()
+    assert len(err) == 1 and f"{stray} is not recorded" in err[0], err
