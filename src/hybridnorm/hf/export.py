@@ -54,8 +54,8 @@ def hf_tokenizer(tok: Tokenizer, max_length: int | None = None,
     as bos, prepended, and its end-of-text token as eos and pad.
     ``model_max_length`` is the model's context (``max_length``); ``chats``, a run's chat templates (``{name:
     Jinja text}``), its ``chat_template`` (saved as ``chat_template.jinja`` and ``additional_chat_templates/``).
-    The byte tokenizer becomes an equivalent
-    HF byte-level model: a BPE with the 256 byte symbols as ids 0..255 and no merges."""
+    The byte tokenizer becomes an equivalent HF byte-level model: a BPE with the 256 byte symbols as ids
+    0..255 and no merges."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.processors import TemplateProcessing
 
