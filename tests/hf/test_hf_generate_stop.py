@@ -7,6 +7,7 @@ where the two stop can be compared (a random model emits a real end-of-text toke
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,7 @@ def test_an_imported_run_keeps_the_folders_other_eos_ids_and_its_export_lists_th
     `generate` of the run stops where transformers' `generate` of the folder stops; `export` lists them in
     generation_config.json again, where transformers' `generate` of the export stops too; importing that
     export gives the same run config."""
+    from hybridnorm.hf.export import export_run, import_hf
     from hybridnorm.train.config import TrainConfig
 
     hf, ids, stop = greedy
@@ -140,13 +142,13 @@ def test_an_imported_run_keeps_the_folders_other_eos_ids_and_its_export_lists_th
     assert generate(run) == want
     assert generate(run, "--ignore-eos") == autotokenizer_decode(folder, ids[1:])
     exported = tmp_path / "exported"
-    cli("export", str(run), "--to", "hf", str(exported))
+    export_run(run, exported)  # the command's function (its CLI: tests/hf/test_hf_cli.py)
     listed = json.loads((exported / "generation_config.json").read_text())["eos_token_id"]
     assert listed == [hf.token_to_id(EOS), stop]
     assert json.loads((exported / "config.json").read_text())["eos_token_id"] == hf.token_to_id(EOS)
     assert stock_generate(exported, stop) == want  # the same weights: the same text, stopped at the same token
     assert generate(exported) == want
-    cli("import", str(exported), "--out", str(tmp_path / "again"))
+    import_hf(exported, tmp_path / "again")
     assert (TrainConfig.load(tmp_path / "again" / "config.yaml").data.stop_tokens
             == TrainConfig.load(run / "config.yaml").data.stop_tokens)
 
@@ -178,7 +180,8 @@ def test_fine_tuning_an_imported_run_keeps_its_stop_tokens(tmp_path: Path, greed
     assert open_run(tmp_path / "alone").stop_ids == (stop,)
 
 
-def test_a_stop_token_the_tokenizer_lacks_is_one_error(tmp_path: Path, greedy, corpus: Path) -> None:
+def test_a_stop_token_the_tokenizer_lacks_is_one_error(tmp_path: Path, greedy, corpus: Path,
+                                                       no_peak_measure: None) -> None:
     """Set by hand: `train --data.stop_tokens=[...]` refuses a token that is not a vocabulary entry before it
     writes anything, and a run config edited to name one is refused by `generate`, naming the file."""
     from train_helpers import tiny_overrides  # tests/
@@ -201,15 +204,22 @@ def test_a_stop_token_the_tokenizer_lacks_is_one_error(tmp_path: Path, greedy, c
 
     out = tmp_path / "trained"
     args = [*tiny_overrides(corpus, tmp_path / "cache", out), "--max_steps=1"]
-    for bad, says in ((["<|no such token|>"], "names '<|no such token|>', which is not a token of the run's bytes"),
-                      ([""], "a stop token is one vocabulary entry, not ''"),
-                      ("<|endoftext|>", "must be a list")):
-        done = cli("train", *args, f"--data.stop_tokens={json.dumps(bad)}", ok=False)
-        lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and says in lines[0] and "data.stop_tokens" in lines[0], done.stderr
-        assert not out.exists() or not any(out.iterdir())  # the trainer claims the folder; nothing written
+    done = cli("train", *args, '--data.stop_tokens=["<|no such token|>"]', ok=False)  # as the command says it
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.stop_tokens names '<|no such token|>', which is not a token of the run's bytes" \
+        in lines[0], done.stderr
+    assert not out.exists() or not any(out.iterdir())  # the trainer claims the folder; nothing is written
+
+    import hybridnorm.train.trainer as trainer
+    from hybridnorm.errors import ConfigError
+    from hybridnorm.train.config import TrainConfig, apply_overrides
+
+    for bad, says in (([""], "a stop token is one vocabulary entry, not ''"), ("<|endoftext|>", "must be a list")):
+        with pytest.raises(ConfigError, match=r"^data\.stop_tokens=.*" + re.escape(says)):
+            TrainConfig.from_dict(apply_overrides({}, [*args, f"--data.stop_tokens={json.dumps(bad)}"]))
     # the byte tokenizer's one named token is its end-of-text token: a valid (if redundant) stop token
-    cli("train", *args, '--data.stop_tokens=["<|endoftext|>"]')
+    trainer.train(TrainConfig.from_dict(apply_overrides({}, [*args, '--data.stop_tokens=["<|endoftext|>"]'])),
+                  quiet=True)
     assert (out / "checkpoints" / "step_000001").is_dir()
 
 
