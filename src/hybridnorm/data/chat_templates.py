@@ -24,23 +24,27 @@ HF_FILE, HF_DIR, HF_CONFIG = "chat_template.jinja", "additional_chat_templates",
 MAX_BYTES = 4 << 20  # the longest published templates are tens of KB; a tokenizer_config.json also holds vocab
 
 
-def _read_text(file: Path) -> str:
+def _read_bytes(file: Path) -> bytes:
     try:
         if file.stat().st_size > MAX_BYTES:
             raise ConfigError(f"{file} is {file.stat().st_size:,} bytes; a chat template file is at most "
                               f"{MAX_BYTES:,}")
-        return file.read_bytes().decode("utf-8")
+        return file.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read {file}: {e.strerror or e}") from None
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return _read_bytes(file).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{file} is not UTF-8 text (byte {e.start})") from None
 
 
 def _read_json(file: Path) -> Any:
-    text = _read_text(file)
     try:
-        return plain_data.loads(text.encode("utf-8"))
-    except ValueError as e:
+        return plain_data.loads(_read_bytes(file))
+    except ValueError as e:  # not UTF-8, not JSON, nested too deep
         raise ConfigError(f"cannot read {file}: {plain_data.describe_error(e)}") from None
 
 
@@ -62,11 +66,11 @@ def read_hf_folder(folder: Path) -> dict[str, str]:
     replace what ``tokenizer_config.json`` holds, as in transformers), else ``tokenizer_config.json``'s
     ``chat_template``: a string (the default) or a list of ``{"name": ..., "template": ...}``. ``{}`` for
     none. A file that cannot be read, or a value of another shape, is one ConfigError naming the file."""
-    files = ([folder / HF_FILE] if (folder / HF_FILE).is_file() else []) + (
-        sorted((folder / HF_DIR).glob("*.jinja")) if (folder / HF_DIR).is_dir() else [])
-    if files:
-        return {DEFAULT if f.name == HF_FILE and f.parent == folder else f.name.removesuffix(".jinja"): _read_text(f)
-                for f in files}
+    templates = {DEFAULT: _read_text(folder / HF_FILE)} if (folder / HF_FILE).is_file() else {}
+    if (folder / HF_DIR).is_dir():  # a named one called "default" replaces the file's, as in transformers
+        templates |= {f.name.removesuffix(".jinja"): _read_text(f) for f in sorted((folder / HF_DIR).glob("*.jinja"))}
+    if templates:
+        return templates
     config = folder / HF_CONFIG
     if not config.is_file():
         return {}

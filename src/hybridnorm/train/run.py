@@ -1,4 +1,5 @@
-"""A trained run on disk: open its folder (or one checkpoint in it) as model, tokenizer and config.
+"""A trained run on disk: open its folder (or one checkpoint in it) as model, tokenizer and config;
+write the run files a training run keeps beside its checkpoints.
 
 Runs only. :func:`hybridnorm.loading.load_run` opens a run OR a Hugging Face model folder; it sits above
 ``hybridnorm.hf`` (which itself opens runs through this module to export them), so the two never import

@@ -10,6 +10,7 @@ Layout of one checkpoint (``<run>/checkpoints/step_000100/``)::
     config.yaml             copies of the run's files as they were at this step (``run_files``; written by
     tokenizer.json          the trainer and by ``hybridnorm import``), so the folder opens on its own;
     tokenizer_config.json   only with a tokenizer whose end-of-text token its folder declared
+    chat_templates.json     only in a run imported from a folder with chat templates (and its fine-tuning)
     manifest.json           size and sha256 of each file above — written last, so its presence marks
                             a complete checkpoint and its hashes catch truncation and corruption
 
