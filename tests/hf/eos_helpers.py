@@ -44,3 +44,18 @@ def save_folder(hf, path: Path, eos: str = EOS, model: bool = False, seed: int =
         torch.manual_seed(seed)
         transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
     return path
+
+
+def fine_tune(run: Path, corpus: Path, cache: Path, *steps: str) -> None:
+    """The README's fine-tune command, `train RUN/config.yaml --out RUN --resume`, in this process: the run's
+    own config, with the tiny test corpus, its small windows and batches, and ``steps`` (``--max_steps=N``, ...)."""
+    from train_helpers import tiny_overrides  # tests/
+
+    from hybridnorm.train.config import TrainConfig, apply_overrides
+    from hybridnorm.train.trainer import train
+
+    small = [a for a in tiny_overrides(corpus, cache, run) if a.startswith(
+        ("--data.source", "--data.cache_dir", "--seq_len", "--batch_size", "--eval_", "--ckpt_", "--device"))]
+    train(TrainConfig.from_dict(apply_overrides(TrainConfig.load(run / "config.yaml").to_dict(),
+                                                [*small, "--optim.warmup_steps=1", *steps])),
+          resume=True, quiet=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-from eos_helpers import BOS, EOS, deepseek_tokenizer, save_folder  # tests/hf/
+from eos_helpers import BOS, EOS, deepseek_tokenizer, fine_tune, save_folder  # tests/hf/
 
 # a Llama 3 style template (special tokens, the BOS from the tokenizer, a generation prompt) and a second one
 DEFAULT = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] | trim }}{{ eos_token }}"
@@ -94,25 +94,17 @@ def test_import_and_export_keep_every_layouts_templates(tmp_path: Path, tokenize
 
 
 def test_fine_tuning_keeps_them_and_a_folder_without_any_gives_none(tmp_path: Path, tokenizer, corpus: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                    no_peak_measure: None) -> None:
     """The README's fine-tune command (`train RUN/config.yaml --out RUN --resume`) copies the templates into
     the new checkpoint; an export of that checkpoint, copied out of its run, formats as the folder did."""
     import transformers
-    from train_helpers import tiny_overrides  # tests/
 
-    import hybridnorm.train.trainer as trainer
     from hybridnorm.data.chat_templates import FILE
-    from hybridnorm.train.config import TrainConfig, apply_overrides
 
-    monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
     folder = chat_folder(tokenizer, tmp_path / "instruct", "jinja-and-named")
     run = tmp_path / "run"
     cli("import", str(folder), "--out", str(run))
-    small = [a for a in tiny_overrides(corpus, tmp_path / "cache", run) if a.startswith(
-        ("--data.source", "--data.cache_dir", "--seq_len", "--batch_size", "--eval_", "--ckpt_", "--device"))]
-    steps = ["--max_steps=2", "--ckpt_interval=1", "--optim.warmup_steps=1"]
-    cfg = TrainConfig.from_dict(apply_overrides(TrainConfig.load(run / "config.yaml").to_dict(), [*small, *steps]))
-    trainer.train(cfg, resume=True, quiet=True)
+    fine_tune(run, corpus, tmp_path / "cache", "--max_steps=2", "--ckpt_interval=1")
     for step in (1, 2):  # the first resumed checkpoint and the one after it (carried on, not re-imported)
         ckpt = run / "checkpoints" / f"step_{step:06d}"
         assert FILE in json.loads((ckpt / "manifest.json").read_text())

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-from eos_helpers import EOS, PAD, deepseek_tokenizer, save_folder  # tests/hf/
+from eos_helpers import EOS, PAD, deepseek_tokenizer, fine_tune, save_folder  # tests/hf/
 
 PROMPT, N = "The lord said unto", 12
 
@@ -154,26 +154,18 @@ def test_an_imported_run_keeps_the_folders_other_eos_ids_and_its_export_lists_th
 
 
 def test_fine_tuning_an_imported_run_keeps_its_stop_tokens(tmp_path: Path, greedy, corpus: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           no_peak_measure: None) -> None:
     """The README's fine-tune command (`train RUN/config.yaml --out RUN --resume`) carries data.stop_tokens
     into the new checkpoint's own copy of the config, from which a copied-out checkpoint generates."""
     import shutil
 
-    from train_helpers import tiny_overrides  # tests/
-
-    import hybridnorm.train.trainer as trainer
-    from hybridnorm.train.config import TrainConfig, apply_overrides
+    from hybridnorm.train.config import TrainConfig
     from hybridnorm.train.run import open_run
 
-    monkeypatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
     hf, _, stop = greedy
     run = tmp_path / "imported"
     cli("import", str(listing_folder(hf, tmp_path / "listed", stop)), "--out", str(run))
-    small = [a for a in tiny_overrides(corpus, tmp_path / "cache", run) if a.startswith(
-        ("--data.source", "--data.cache_dir", "--seq_len", "--batch_size", "--eval_", "--ckpt_", "--device"))]
-    cfg = TrainConfig.from_dict(apply_overrides(TrainConfig.load(run / "config.yaml").to_dict(),
-                                                [*small, "--max_steps=1", "--optim.warmup_steps=1"]))
-    trainer.train(cfg, resume=True, quiet=True)
+    fine_tune(run, corpus, tmp_path / "cache", "--max_steps=1")
     ckpt = run / "checkpoints" / "step_000001"
     assert TrainConfig.load(ckpt / "config.yaml").data.stop_tokens == (hf.id_to_token(stop),)
     shutil.copytree(ckpt, tmp_path / "alone")  # a checkpoint copied out of its run opens on its own
