@@ -163,3 +163,18 @@ def run_bounded(cmd: list[str], timeout: float, **kwargs) -> subprocess.Complete
         proc.communicate()
         pytest.fail(f"still running after {timeout} s, killed: {' '.join(cmd)}")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def cli_in_process(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """``hybridnorm ARGS`` through the command line's own ``main`` in this process (no interpreter start-up,
+    seconds each), with its exit status and what it printed; asserts it succeeded (``ok``) or failed. The
+    same commands in a real process: tests/test_cli.py and the README command tests."""
+    import io
+
+    from hybridnorm import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+    assert (code == 0) == ok, err.getvalue()[-3000:]
+    return subprocess.CompletedProcess(["hybridnorm", *args], code, out.getvalue(), err.getvalue())

@@ -134,22 +134,37 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
+    from hybridnorm.data.tokenizer import with_start
     from hybridnorm.loading import load_run
     from hybridnorm.nn.model import check_generate_args
 
     check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed, as_options=True)  # pre-load
-    if not is_utf8(args.prompt):
-        raise ConfigError(f"--prompt={args.prompt!r} is not valid UTF-8 text: pass the prompt as UTF-8")
+    for name in ("prompt", "system"):
+        if getattr(args, name) is not None and not is_utf8(getattr(args, name)):
+            raise ConfigError(f"--{name}={getattr(args, name)!r} is not valid UTF-8 text: pass it as UTF-8")
+    if args.system is not None and args.chat is None:
+        raise ConfigError("--system is a chat turn: it needs --chat")
     run = load_run(args.checkpoint)
+    prompt = args.prompt
+    if args.chat is not None:
+        from hybridnorm.hf.chat import ChatFormatter
+
+        turns = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompt = ChatFormatter(run, args.chat)([*turns, {"role": "user", "content": args.prompt}])
     gen = torch.Generator().manual_seed(args.seed)
     # the start token first (<|endoftext|> for our tokenizers: every training document followed one; a
-    # folder's own BOS where its tokenizer adds one), as the evaluators and the exported HF tokenizer do
-    ids = [run.tokenizer.start_id, *run.tokenizer.encode(args.prompt)]
+    # folder's own BOS where its tokenizer adds one, once: a chat template may write it), as the evaluators
+    # and the exported HF tokenizer do
+    ids = with_start(run.tokenizer, run.tokenizer.encode(prompt))
     # ends after the end-of-text token (or an HF folder's other eos ids), as transformers' generate ends
+    stops = [run.tokenizer.eot_id, *run.stop_ids]
     out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k or None, generator=gen,
-                             stop_ids=None if args.ignore_eos else [run.tokenizer.eot_id, *run.stop_ids])
-    print(run.tokenizer.decode(out[0, 1:].tolist()))
+                             top_k=args.top_k or None, generator=gen, stop_ids=None if args.ignore_eos else stops)
+    if args.chat is None:
+        print(run.tokenizer.decode(out[0, 1:].tolist()))
+    else:  # the reply alone, without the token that ended it
+        reply = out[0, len(ids):].tolist()
+        print(run.tokenizer.decode(reply[:-1] if reply and reply[-1] in stops and not args.ignore_eos else reply))
     return 0
 
 

@@ -67,6 +67,10 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true",
                    help="go on past the end-of-text token (default: stop after it, as transformers' generate)")
+    g.add_argument("--chat", nargs="?", const="default", metavar="NAME",
+                   help="--prompt is a user turn, formatted by the run's chat template (an imported instruct "
+                        "folder's; NAME: a named one) with transformers' apply_chat_template; prints the reply")
+    g.add_argument("--system", metavar="TEXT", help="with --chat: a system turn before the prompt")
     g.set_defaults(func=commands["generate"])
 
     e = sub.add_parser("eval", parents=[common], help="evaluate a checkpoint: validation loss (default), "
@@ -89,6 +93,12 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     e.add_argument("--include-path", metavar="DIR", help="folder of extra lm-eval task YAML files")
     e.add_argument("--limit", type=int, help="first N items of each task / of --mc")
     e.add_argument("--num-fewshot", type=int, help="lm-eval few-shot examples (default: the task's, or 0)")
+    e.add_argument("--apply-chat-template", nargs="?", const="default", metavar="NAME",
+                   help="lm-eval prompts as chat turns, formatted by the run's chat template (an imported instruct "
+                        "folder's; NAME: a named one) with transformers' apply_chat_template")
+    e.add_argument("--fewshot-as-multiturn", action="store_true",
+                   help="lm-eval few-shot examples as alternating user/assistant turns (needs --apply-chat-template)")
+    e.add_argument("--system-instruction", metavar="TEXT", help="lm-eval system message before each prompt")
     e.add_argument("--device", help="cpu, cuda, cuda:N (default: where the run loads, the CPU)")
     e.add_argument("--output", metavar="FILE.json", help="also write all results (per item for --mc) as JSON")
     e.set_defaults(func=commands["eval"])

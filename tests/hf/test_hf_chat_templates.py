@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 from eos_helpers import BOS, EOS, deepseek_tokenizer, fine_tune, save_folder  # tests/hf/
+from train_helpers import cli_in_process  # tests/
 
 # a Llama 3 style template (special tokens, the BOS from the tokenizer, a generation prompt) and a second one
 DEFAULT = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] | trim }}{{ eos_token }}"
@@ -33,11 +32,7 @@ LAYOUTS = {  # how the folder holds them -> what transformers' AutoTokenizer rea
 }
 
 
-def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *args], capture_output=True, text=True,
-                          timeout=300)
-    assert (done.returncode == 0) == ok, done.stderr[-3000:]
-    return done
+cli = cli_in_process  # the command's own main, in this process
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +166,35 @@ def test_a_damaged_or_stray_copy_in_a_checkpoint_is_one_error(tmp_path: Path, to
     with pytest.raises(CheckpointError, match=f"{re.escape(str(stray))} is not recorded"):
         export_run(base, tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+def test_generate_chat_replies_as_transformers_generate_of_the_folder(tmp_path: Path, tokenizer) -> None:
+    """`hybridnorm generate RUN --chat [NAME] [--system S]` prints the greedy reply that transformers' own
+    `generate` gives on the original folder for the conversation its `apply_chat_template` formats. The
+    default template writes the BOS itself (no second one is added); the named one writes none, so the
+    prompt starts from the tokenizer's BOS, as lm-eval's HF backend starts a chat prompt."""
+    import transformers
+
+    from hybridnorm.hf.export import import_hf
+
+    folder = chat_folder(tokenizer, tmp_path / "instruct", "jinja-and-named")
+    import_hf(folder, tmp_path / "run")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    question = "Who said unto Moses?"
+    for name, system in ((None, None), ("tool_use", "Thou art brief.")):
+        turns = [{"role": "system", "content": system}] if system else []
+        text = tok.apply_chat_template([*turns, {"role": "user", "content": question}], chat_template=name,
+                                       add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=not text.startswith(BOS), return_tensors="pt").input_ids
+        assert ids[0].tolist().count(tok.bos_token_id) == 1 and ids[0, 0] == tok.bos_token_id
+        new = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=12,
+                             do_sample=False)[0, ids.shape[1]:].tolist()
+        reply = tok.decode(new[:-1] if new[-1] == tok.eos_token_id else new)
+        argv = ["generate", str(tmp_path / "run"), "--chat", *([name] if name else []), "--prompt", question,
+                "--temperature", "0", "--max-new-tokens", "12", *(["--system", system] if system else [])]
+        assert cli(*argv).stdout == reply + "\n"
+    for argv, says in [(["--chat", "nope"], "no chat template named 'nope'; valid: default, tool_use"),
+                       (["--system", "x"], "--system is a chat turn: it needs --chat")]:
+        err = cli("generate", str(tmp_path / "run"), *argv, ok=False).stderr.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err

@@ -101,3 +101,15 @@ def for_transformers(templates: dict[str, str]) -> str | dict[str, str] | None:
     if not templates:
         return None
     return templates[DEFAULT] if set(templates) == {DEFAULT} else dict(templates)
+
+
+def select(templates: dict[str, str], name: str | None, where: str) -> str:
+    """The template called ``name`` (None: the default, as transformers' ``apply_chat_template`` picks it
+    when given no name and no tools); one ConfigError naming ``where`` and the valid names otherwise."""
+    if not templates:
+        raise ConfigError(f"{where} has no chat template (no {FILE}): only a run imported from a folder with "
+                          f"one has them")
+    name = DEFAULT if name is None else name
+    if name not in templates:
+        raise ConfigError(f"{where} has no chat template named {name!r}; valid: {', '.join(sorted(templates))}")
+    return templates[name]

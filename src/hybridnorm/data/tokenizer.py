@@ -161,6 +161,14 @@ class BPETokenizer:
         return self.hf.id_to_token(token_id)
 
 
+def with_start(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """A prompt's or context's ids after the start token: prefixed with ``start_id``, unless the text itself
+    began with that token (its string, which the tokenizer reads as the one token), as a chat template's
+    rendering of Llama 3's ``<|begin_of_text|>`` does: transformers' ``apply_chat_template`` and lm-eval's
+    HF backend (``has_bos_prefix``) then add no second one either."""
+    return ids if ids[:1] == [tokenizer.start_id] else [tokenizer.start_id, *ids]
+
+
 def stop_token_ids(tokens: Sequence[str], tokenizer: Tokenizer, where: str) -> tuple[int, ...]:
     """The ids of ``tokens`` (``data.stop_tokens``: where generation ends besides the end-of-text token), each
     a whole entry of ``tokenizer``'s vocabulary; one ConfigError naming ``where`` and the token otherwise."""

@@ -7,6 +7,10 @@
 Importing this module registers the model class as ``hybridnorm`` in lm-eval's registry, so
 ``lm_eval.simple_evaluate(model="hybridnorm", model_args="pretrained=RUN,batch_size=8", ...)`` works too.
 
+Chat formatting (lm-eval's ``apply_chat_template``, ``fewshot_as_multiturn``, ``system_instruction``) renders
+the run's chat templates (an imported instruct folder's) with transformers' own ``apply_chat_template``, as
+lm-eval's HF backend does; ``chat_template=NAME`` picks a named one (default: ``default``).
+
 lm-eval is optional (``pip install 'hybridnorm[eval]'``): without it this module still imports, and
 :func:`run_lm_eval` / :class:`HybridNormLM` raise a :class:`ConfigError` saying what to install.
 
@@ -27,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.scoring import encode_pair, greedy_until, loglikelihood, loglikelihood_rolling
@@ -70,15 +75,20 @@ class HybridNormLM(_LMBase):
     """An lm-eval ``LM`` over a hybridnorm run: ``pretrained`` is a run folder, a ``checkpoints/step_*``
     folder, or a loaded :class:`~hybridnorm.loading.Run`. ``device`` defaults to CUDA when available
     for a run loaded here and to the model's current device for a given ``Run``. ``max_batch_size`` (which
-    lm-eval passes along with ``batch_size``) is accepted and ignored: batches are fixed-size."""
+    lm-eval passes along with ``batch_size``) is accepted and ignored: batches are fixed-size.
+    ``chat_template``: the name of the run's chat template that ``apply_chat_template`` renders (checked
+    when lm-eval first asks for it; the run's ``default`` when not given)."""
 
     def __init__(self, pretrained: str | Path | Run, batch_size: int | str = 8, device: str | None = None,
-                 max_gen_toks: int | str = 256, max_batch_size: int | None = None, **kwargs: Any) -> None:
+                 max_gen_toks: int | str = 256, max_batch_size: int | None = None, chat_template: str | None = None,
+                 **kwargs: Any) -> None:
         require_lm_eval()
         super().__init__()
         if kwargs:
             raise ConfigError(f"unknown hybridnorm model_args {', '.join(map(repr, kwargs))}; valid: pretrained, "
-                              f"batch_size, device, max_gen_toks")
+                              f"batch_size, device, max_gen_toks, chat_template")
+        self.chat_template_name = chat_template
+        self._chat: Any = None  # the ChatFormatter of that template, built on first use
         run = pretrained if isinstance(pretrained, Run) else load_run(pretrained)
         self.run, self.model, self.tokenizer = run, run.model, run.tokenizer
         self.batch_size = _positive_int(batch_size, "batch_size")
@@ -96,6 +106,33 @@ class HybridNormLM(_LMBase):
     @property
     def tokenizer_name(self) -> str:
         return f"hybridnorm-{self.tokenizer.kind}-{self.tokenizer.fingerprint[:16]}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """lm-eval's hook: the Jinja text of the template ``apply_chat_template`` renders (a name: that one;
+        True: the one chosen by ``chat_template=``, else ``default``); None when not applying one."""
+        if chat_template is False or chat_template is None:
+            return None
+        name = chat_template if isinstance(chat_template, str) else self.chat_template_name
+        return chat_templates.select(self.run.chat_templates, name, f"{self.run.checkpoint}")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation as the run's chat template formats it (:class:`~hybridnorm.hf.chat.ChatFormatter`),
+        with HFLM's arguments (a final assistant message is continued, not closed, when no generation prompt
+        is asked for) and its one fall-back: a template that rejects the system role is retried without the
+        system messages."""
+        from jinja2.exceptions import TemplateError
+
+        from hybridnorm.hf.chat import ChatFormatter
+
+        if self._chat is None or self._chat.name != (self.chat_template_name or chat_templates.DEFAULT):
+            self._chat = ChatFormatter(self.run, self.chat_template_name)
+        kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt)
+        try:
+            return self._chat(chat_history, **kwargs)
+        except TemplateError:
+            warnings.warn("the chat template failed; retrying without the system messages (as lm-eval's HF "
+                          "backend does)", stacklevel=2)
+            return self._chat([m for m in chat_history if m["role"] != "system"], **kwargs)
 
     def get_model_info(self) -> dict[str, Any]:
         """Provenance that ``simple_evaluate`` copies into ``results["config"]``."""
@@ -173,11 +210,13 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                 include_path: str | Path | Sequence[str | Path] | None = None, limit: int | None = None,
                 num_fewshot: int | None = None, batch_size: int = 8, *, include_defaults: bool | None = None,
                 log_samples: bool = False, bootstrap_iters: int = 100_000, device: str | None = None,
-                ) -> dict[str, Any]:
+                apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
+                system_instruction: str | None = None) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
     ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
-    the first N documents of each task. Returns lm-eval's results dict (``results``, ``n-samples``,
-    ``config``, ... and ``samples`` when ``log_samples``)."""
+    the first N documents of each task. ``apply_chat_template`` (True: the run's default chat template; a
+    name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's. Returns lm-eval's
+    results dict (``results``, ``n-samples``, ``config``, ... and ``samples`` when ``log_samples``)."""
     require_lm_eval()
     use_offline_defaults()
     names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
@@ -188,14 +227,22 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         raise ConfigError(f"limit={limit!r} must be a positive integer")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise ConfigError(f"num_fewshot={num_fewshot!r} must be a non-negative integer")
+    if fewshot_as_multiturn and not apply_chat_template:
+        raise ConfigError("fewshot_as_multiturn needs apply_chat_template (the turns are chat messages)")
     tm = task_manager(names, include_path, include_defaults)
     lm = run_or_path if isinstance(run_or_path, HybridNormLM) else \
         HybridNormLM(run_or_path, batch_size=batch_size, device=device)
+    if isinstance(apply_chat_template, str):
+        lm.chat_template_name = apply_chat_template
+    if apply_chat_template:
+        lm.chat_template(True)  # no template of that name: one error now, not after the tasks are built
     from lm_eval import simple_evaluate
 
     try:
         results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
                                   log_samples=log_samples, bootstrap_iters=bootstrap_iters,
+                                  apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
+                                  system_instruction=system_instruction,
                                   batch_size=lm.batch_size, device=str(lm.device))  # recorded in "config" only
     except ConfigError:
         raise

@@ -7,7 +7,9 @@ Conventions, chosen to match lm-eval's HF backend (``HFLM``) so that numbers are
   EOT, since our training data separates documents with it, so the model has learned "after EOT a document
   starts"; for a tokenizer whose post-processor adds a BOS (Llama's, Mistral's), that BOS, which HFLM's
   tokenizer adds too. It gives an empty context something to condition on (HFLM does the same with its
-  ``prefix_token_id``, the BOS, else the EOS, for an empty context and for rolling log-likelihoods).
+  ``prefix_token_id``, the BOS, else the EOS, for an empty context and for rolling log-likelihoods). A
+  context whose text already begins with that token (a chat template's ``{{ bos_token }}``) keeps that one
+  and gets no second: HFLM's ``has_bos_prefix`` rule (:func:`~hybridnorm.data.tokenizer.with_start`).
 * **Pair encoding** follows ``HFLM._encode_pair``: trailing spaces of the context move to the
   continuation, and the continuation ids are ``encode(context + continuation)[len(encode(context)):]``,
   so a BPE merge across the boundary is scored as the model would have seen the whole text.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridnorm.data.tokenizer import Tokenizer
+from hybridnorm.data.tokenizer import Tokenizer, with_start
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.attention import KVCache
 from hybridnorm.nn.model import TransformerLM
@@ -74,7 +76,7 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> TokenP
         context = context[:-n_spaces]
     whole = tokenizer.encode(context + continuation)
     ctx = tokenizer.encode(context)
-    return [tokenizer.start_id, *ctx], whole[len(ctx):]
+    return with_start(tokenizer, ctx), whole[len(ctx):]
 
 
 @torch.inference_mode()
@@ -178,7 +180,7 @@ def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until
         raise ConfigError(f"max_gen_toks={max_gen_toks} must be >= 0")
     max_len, vocab, stops = model.config.max_seq_len, model.config.vocab_size, {tokenizer.eot_id, *stop_ids}
     device = model.embed.weight.device
-    ids = [tokenizer.start_id, *tokenizer.encode(context)][-max(max_len // 2, max_len - max_gen_toks, 1):]
+    ids = with_start(tokenizer, tokenizer.encode(context))[-max(max_len // 2, max_len - max_gen_toks, 1):]
 
     def prefill(tokens: list[int]) -> tuple[torch.Tensor, KVCache]:
         cache = model.new_cache(1, max_len)

@@ -35,6 +35,9 @@ class EvalRequest(Config):
     include_path: str | None = None
     limit: int | None = bounded(None, ge=1)
     num_fewshot: int | None = bounded(None, ge=0)
+    apply_chat_template: str | None = None  # lm-eval prompts as chat: the run's template of this name
+    fewshot_as_multiturn: bool = False
+    system_instruction: str | None = None
     device: str | None = None
     output: str | None = None          # also write the results as JSON
     debug: bool = False                # keep lm-eval's own warnings
@@ -44,8 +47,14 @@ class EvalRequest(Config):
         return f"--{name.replace('_', '-')}"  # as typed on the command line
 
     def check(self) -> None:
-        if not self.tasks and (self.include_path or self.num_fewshot is not None):
-            raise ConfigError("--include-path and --num-fewshot only apply to lm-eval tasks (--tasks a,b)")
+        lm_eval_only = {"--include-path": self.include_path, "--num-fewshot": self.num_fewshot is not None,
+                        "--apply-chat-template": self.apply_chat_template, "--system-instruction":
+                        self.system_instruction is not None, "--fewshot-as-multiturn": self.fewshot_as_multiturn}
+        if not self.tasks and any(lm_eval_only.values()):
+            raise ConfigError(f"{', '.join(k for k, v in lm_eval_only.items() if v)}: only for lm-eval tasks "
+                              f"(--tasks a,b)")
+        if self.fewshot_as_multiturn and not self.apply_chat_template:
+            raise ConfigError("--fewshot-as-multiturn needs --apply-chat-template (the turns are chat messages)")
         if not (self.mc or self.text or self.tasks) and self.limit is not None:
             raise ConfigError("--limit only applies to --mc and --tasks")
         if self.tasks is not None and not task_names(self.tasks):
@@ -105,7 +114,9 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
         if not req.debug:  # lm-eval's per-task warnings would bury the table (and a one-line error)
             logging.getLogger("lm_eval").setLevel(logging.ERROR)
         res = run_lm_eval(run, task_names(req.tasks), include_path=req.include_path, limit=req.limit,
-                          num_fewshot=req.num_fewshot, batch_size=scoring_batch)
+                          num_fewshot=req.num_fewshot, batch_size=scoring_batch,
+                          apply_chat_template=req.apply_chat_template or False,
+                          fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction)
         rows += metric_rows(res)
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
     print_results(rows, f"{run.checkpoint}", notes)

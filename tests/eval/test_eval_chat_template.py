@@ -1,0 +1,135 @@
+"""lm-eval's chat formatting (``apply_chat_template``, ``fewshot_as_multiturn``, ``system_instruction``) on a
+run imported from an instruct folder. Oracle: lm-eval's own HF backend (``HFLM``) on the original folder
+(stock ``LlamaForCausalLM``, ``AutoTokenizer`` with the folder's chat template): the same prompts, the same
+log-likelihood for every multiple-choice request and the same greedy text for every generation request.
+The folder's BOS embedding is scaled up, so a prompt that started from two BOS tokens (the template's and
+a prefix) would score measurably apart. Also: every bad request is one error naming what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (in the dev extra)")
+from bos_helpers import BOS, bos_folder  # noqa: E402  (tests/eval/: a Llama-3-style folder)
+from eval_helpers import write_jsonl  # noqa: E402
+
+from hybridnorm import cli  # noqa: E402
+from hybridnorm.errors import ConfigError  # noqa: E402
+from hybridnorm.eval.lm_eval_adapter import run_lm_eval, task_manager  # noqa: E402
+from hybridnorm.eval.scoring import encode_pair  # noqa: E402
+
+# Llama 3's shape: the BOS from the template, a header token before each role, the end-of-text token ending
+# each turn; the second template renders the roles differently, so choosing it changes every prompt
+DEFAULT = ("{{ bos_token }}{% for m in messages %}<x>{{ m['role'] }}\n{{ m['content'] | trim }}{{ eos_token }}"
+           "{% endfor %}{% if add_generation_prompt %}<x>assistant\n{% endif %}")
+TERSE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+         "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+MC = [{"q": "The lord said", "endings": ["unto moses", "go", "by day and by night"], "label": 1},
+      {"q": "And the river", "endings": ["ran dry", "x", "was built upon a hill"], "label": 2},
+      {"q": "Milk and", "endings": ["honey", "qz", "the people"], "label": 0},
+      {"q": "Behold the city", "endings": ["was built", "of brass", "upon a hill"], "label": 0}]
+GEN = [{"q": "The lord said", "a": "unto"}, {"q": "Behold", "a": "the"}, {"q": "And the river", "a": "ran"}]
+TASKS = {
+    "chat_mc": (MC, "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{endings}}'\n"
+                    "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"),
+    "chat_gen": (GEN, "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+                      "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 5\n  do_sample: false\n"
+                      "metric_list:\n  - metric: exact_match\n"),
+}
+SYSTEM = "Answer as the scripture does."
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(the instruct folder, its imported run, a task folder)."""
+    import transformers
+
+    from hybridnorm.hf.export import import_hf
+
+    root = tmp_path_factory.mktemp("chat")
+    folder = bos_folder(root / "instruct")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = {"default": DEFAULT, "terse": TERSE}
+    tok.save_pretrained(folder)
+    import_hf(folder, root / "run")
+    tasks = root / "tasks"
+    tasks.mkdir()
+    for name, (docs, body) in TASKS.items():
+        data = write_jsonl(root / f"{name}.jsonl", docs)
+        (tasks / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"  cache_dir: {root / 'hf-cache'}\ntest_split: test\nfewshot_split: test\n{body}"
+            f"metadata:\n  version: 1.0\n", encoding="utf-8")
+    return folder, root / "run", tasks
+
+
+def _samples(res: dict, task: str) -> list[dict]:
+    return sorted(res["samples"][task], key=lambda s: s["doc_id"])
+
+
+def _prompt(sample: dict) -> str:
+    return sample["arguments"][0][0]  # (context, continuation or gen_kwargs) of the first request
+
+
+@pytest.mark.parametrize("template", [None, "terse"])
+def test_chat_formatted_tasks_equal_lm_evals_hf_backend_on_the_original_folder(folders, template) -> None:
+    from lm_eval.models.huggingface import HFLM
+
+    folder, run, tasks = folders
+    names = list(TASKS)
+    kw = dict(num_fewshot=2, fewshot_as_multiturn=True, system_instruction=SYSTEM, log_samples=True)
+    ours = run_lm_eval(run, names, include_path=tasks, include_defaults=False,
+                       apply_chat_template=template or True, **kw)
+    # HFLM renders the tokenizer's default template whatever name it is given, so it gets the chosen one
+    # as its tokenizer's only template
+    hflm = HFLM(pretrained=str(folder), batch_size=4, device="cpu")
+    hflm.tokenizer.chat_template = TERSE if template else DEFAULT
+    theirs = lm_eval.simple_evaluate(model=hflm, tasks=names, task_manager=task_manager(names, tasks),
+                                     apply_chat_template=True, **kw)
+    for task in names:
+        a, b = _samples(ours, task), _samples(theirs, task)
+        assert len(a) == len(b) == len(TASKS[task][0])
+        for x, y in zip(a, b, strict=True):
+            assert x["arguments"] == y["arguments"]  # the same prompts, rendered from the same template
+            prompt = _prompt(x)
+            assert prompt.startswith(BOS) and prompt.count(BOS) == 1 and SYSTEM in prompt
+            assert prompt.count("[USER]" if template else "<x>user") == 3  # two shots as turns, then the question
+            if task == "chat_mc":
+                assert [r[0] for r in x["filtered_resps"]] == pytest.approx([r[0] for r in y["filtered_resps"]],
+                                                                             rel=1e-5, abs=1e-4)
+            else:
+                assert x["filtered_resps"] == y["filtered_resps"]
+
+
+def test_a_template_that_starts_with_the_bos_gets_no_second_one(folders) -> None:
+    from hybridnorm.loading import load_run
+
+    run = load_run(folders[1])
+    tok = run.tokenizer
+    bos = tok.token_to_id(BOS)
+    assert tok.start_id == bos
+    ctx, cont = encode_pair(tok, f"{BOS}<x>user\nThe lord said", " unto")
+    assert ctx[0] == bos and ctx.count(bos) == 1 and cont
+    assert encode_pair(tok, "The lord said", " unto")[0][:2] == [bos, *tok.encode("The")[:1]]
+
+
+def test_every_bad_chat_request_is_one_error_naming_what_to_change(folders, run_dir, tmp_path, capsys) -> None:
+    _, run, tasks = folders
+    with pytest.raises(ConfigError, match="no chat template named 'tool_use'; valid: default, terse"):
+        run_lm_eval(run, ["chat_mc"], include_path=tasks, include_defaults=False, apply_chat_template="tool_use")
+    with pytest.raises(ConfigError, match=r"has no chat template \(no chat_templates.json\)"):
+        run_lm_eval(run_dir, ["kjv_mc"], limit=1, apply_chat_template=True)  # a byte-level run of our own
+    with pytest.raises(ConfigError, match="fewshot_as_multiturn needs apply_chat_template"):
+        run_lm_eval(run, ["chat_mc"], include_path=tasks, fewshot_as_multiturn=True)
+    for argv, needle in [
+        (["eval", str(run), "--apply-chat-template"], "--apply-chat-template: only for lm-eval tasks"),
+        (["eval", str(run), "--tasks", "kjv_mc", "--fewshot-as-multiturn"], "needs --apply-chat-template"),
+        (["eval", str(run), "--tasks", "kjv_mc", "--apply-chat-template", "nope"], "valid: default, terse"),
+    ]:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
