@@ -6,8 +6,6 @@ folder. Before the start token, every one of these started from ``<|end_of_text|
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 from bos_helpers import BOS, EOS, bos_folder, bos_tokenizer  # tests/eval/: a Llama-3-style folder
 from eval_helpers import corpus_text
+from train_helpers import cli_in_process  # tests/
 
 from hybridnorm.data.tokenizer import BPETokenizer, ByteTokenizer, train_bpe
 from hybridnorm.data.tokens import open_tokens, tokenize_to_memmap
@@ -65,10 +64,7 @@ def test_generate_gives_a_greedy_loop_of_the_stock_model_on_transformers_tokens(
         for _ in range(12):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     want = tok.decode(ids[1:])  # as `hybridnorm generate` prints: everything after the start token
-    done = subprocess.run([sys.executable, "-m", "hybridnorm.cli", "generate", str(folder), "--prompt", PROMPT,
-                           "--temperature", "0", "--max-new-tokens", "12"], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
+    done = cli_in_process("generate", str(folder), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "12")
     assert done.stdout.rstrip("\n") == want
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 from eos_helpers import BOS, EOS, PAD, deepseek_tokenizer, save_folder  # tests/hf/
-from train_helpers import tiny_overrides
+from train_helpers import cli_in_process, tiny_overrides
 
 from hybridnorm.data import load_tokenizer, prepare_data
 from hybridnorm.data.tokenizer import BPETokenizer
@@ -43,11 +41,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory, hf_tok) -> Path:
     return save_folder(hf_tok, tmp_path_factory.mktemp("ds") / "r1_distill_style", model=True)
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+cli = cli_in_process  # the command's own main, in this process
 
 
 def test_the_folders_declared_eos_is_the_end_of_text_token_as_transformers_reads_it(folder: Path) -> None:

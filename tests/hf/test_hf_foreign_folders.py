@@ -7,6 +7,7 @@ appear. The rest call ``hybridnorm.cli.main`` in-process."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -74,20 +75,30 @@ def _one_error_line(err: str) -> str:
 @pytest.mark.parametrize("model_type", ["evil_thing", "llama"])  # unknown type, and a known type + auto_map
 @pytest.mark.parametrize("command", ["import", "generate", "eval", "export"])
 def test_remote_code_never_runs_and_stdin_is_never_read(llama_dir, tmp_path: Path, model_type: str,
-                                                       command: str) -> None:
+                                                       command: str, monkeypatch, capsys) -> None:
+    """Its stdin answers "y" to any prompt (transformers' "run the custom code?"): in a real process for one
+    command per folder, in this process (``sys.stdin``) for the rest."""
     evil, marker = _evil_folder(tmp_path, llama_dir[0], model_type)
     argv = {"import": ["import", str(evil), "--out", str(tmp_path / "run")],
             "generate": ["generate", str(evil), "--max-new-tokens", "2"],
             "eval": ["eval", str(evil)],
             "export": ["export", str(evil), "--to", "hf", str(tmp_path / "out")]}[command]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *argv], input="y\ny\ny\n", text=True,
-                          capture_output=True, timeout=300, cwd=tmp_path, env=env)
-    assert proc.returncode == 2, proc.stderr
-    line = _one_error_line(proc.stderr)
+    if command == "import":
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        proc = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *argv], input="y\ny\ny\n", text=True,
+                              capture_output=True, timeout=300, cwd=tmp_path, env=env)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    else:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "stdin", io.StringIO("y\ny\ny\n"))
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert sys.stdin.read() == "y\ny\ny\n"  # nothing of it read
+    assert code == 2, err
+    line = _one_error_line(err)
     assert str(evil / "config.json") in line
     assert ("auto_map" in line) if model_type == "llama" else ("model_type='evil_thing'" in line)
-    assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
+    assert "Do you wish to run the custom code" not in out + err
     assert not marker.exists()
 
 

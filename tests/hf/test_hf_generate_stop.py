@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,15 +16,12 @@ import yaml
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 from eos_helpers import EOS, PAD, deepseek_tokenizer, fine_tune, save_folder  # tests/hf/
+from train_helpers import cli_in_process  # tests/
 
 PROMPT, N = "The lord said unto", 12
 
 
-def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "hybridnorm.cli", *args], capture_output=True, text=True,
-                          timeout=300)
-    assert (done.returncode == 0) == ok, done.stderr[-3000:]
-    return done
+cli = cli_in_process  # the command's own main, in this process
 
 
 def generate(source: Path, *extra: str) -> str:

@@ -1,12 +1,14 @@
-"""One transformers ``Trainer`` (or TRL ``SFTTrainer``) run of a tiny ``HybridNormForCausalLM`` (the worker
-that test_hf_trainer_torchrun.py starts alone and under ``torchrun``): 4 optimizer steps over 8 ragged
-samples per step, then one line ``LOSSES [...]`` (the logged losses) from rank 0.
+"""Transformers ``Trainer`` (and TRL ``SFTTrainer``) runs of a tiny ``HybridNormForCausalLM`` (the worker that
+test_hf_trainer_torchrun.py starts alone and under ``torchrun``): for each variant, 4 optimizer steps over 8
+ragged samples per step, then one line ``LOSSES VARIANT [...]`` (the logged losses) from rank 0. The variants
+run one after another in the same processes (one launch each way: the launches, not the steps, take the time).
 
-argv: PLACEMENT MODE [moe] [sft] [seqcls]; MODE is ``single``, ``ddp`` or ``fsdp2`` (accelerate's FSDP2,
-wrapping each ``HybridNormDecoderLayer``, the class ``_no_split_modules`` names); ``sft``: TRL's SFTTrainer on
-the same samples, tokenized already, padded by TRL's own collator (its fused LM head computes the loss);
-``seqcls``: an untied ``HybridNormForSequenceClassification`` (3 classes, one label per sample) with gradient
-checkpointing, under which Trainer asks DDP to find no unused parameters: every weight must get a gradient."""
+argv: MODE VARIANT...; MODE is ``single``, ``ddp`` or ``fsdp2`` (accelerate's FSDP2, wrapping each
+``HybridNormDecoderLayer``, the class ``_no_split_modules`` names); VARIANT is ``lm`` (HybridNorm*), ``moe``
+(HybridNorm with 4 experts), ``sft`` (TRL's SFTTrainer on the same samples, tokenized already, padded by TRL's
+own collator; its fused LM head computes the loss) or ``seqcls`` (an untied
+``HybridNormForSequenceClassification``, 3 classes, one label per sample, with gradient checkpointing, under
+which Trainer asks DDP to find no unused parameters: every weight must get a gradient)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,11 @@ def classifier(placement: str) -> tuple[HybridNormForSequenceClassification, lis
     return model, rows, collate_rows
 
 
-def main(placement: str, mode: str, moe: bool, sft: bool, seqcls: bool) -> None:
+VARIANTS = {"lm": "hybridnorm_star", "moe": "hybridnorm", "sft": "hybridnorm_star", "seqcls": "hybridnorm_star"}
+
+
+def losses(mode: str, variant: str) -> list[float]:
+    placement, moe, sft, seqcls = VARIANTS[variant], variant == "moe", variant == "sft", variant == "seqcls"
     # an MoE's router losses depend on how the batch is split (computed per micro-batch, as Mixtral's): 0 here
     extra = dict(tie_embeddings=False, moe=MoEConfig(num_experts=4, top_k=2, lb_loss_weight=0.0,
                                                      z_loss_weight=0.0)) if moe else {}
@@ -51,8 +57,8 @@ def main(placement: str, mode: str, moe: bool, sft: bool, seqcls: bool) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config={"transformer_layer_cls_to_wrap": ["HybridNormDecoderLayer"],
                                                           "version": 2}) if mode == "fsdp2" else {}
-    common = dict(output_dir=os.environ["OUT"], per_device_train_batch_size=8 // world, max_steps=4,
-                  learning_rate=1e-2, optim="adamw_torch", lr_scheduler_type="constant", logging_steps=1,
+    common = dict(output_dir=os.path.join(os.environ["OUT"], variant), per_device_train_batch_size=8 // world,
+                  max_steps=4, learning_rate=1e-2, optim="adamw_torch", lr_scheduler_type="constant", logging_steps=1,
                   report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0, **fsdp)
     if sft:
         from datasets import Dataset
@@ -73,9 +79,11 @@ def main(placement: str, mode: str, moe: bool, sft: bool, seqcls: bool) -> None:
                           data_collator=collate)
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
     trainer.train()
-    if int(os.environ.get("RANK", "0")) == 0:
-        print("LOSSES", json.dumps([h["loss"] for h in trainer.state.log_history if "loss" in h]), flush=True)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "moe" in sys.argv[3:], "sft" in sys.argv[3:], "seqcls" in sys.argv[3:])
+    for name in sys.argv[2:]:
+        got = losses(sys.argv[1], name)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("LOSSES", name, json.dumps(got), flush=True)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from train_helpers import TORCHRUN, read_metrics, tiny_overrides
+from train_helpers import TORCHRUN, cli_in_process, read_metrics, tiny_overrides
 
 from hybridnorm import cli
 
@@ -50,8 +49,7 @@ def test_fsdp_run_resumes_in_one_process_and_exports(corpus, cache_dir, no_peak_
 
 
 def test_a_bad_parallel_choice_is_one_error_line_naming_the_choices():
-    out = subprocess.run([sys.executable, "-m", "hybridnorm.cli", "train", "--parallel=nope"],
-                         capture_output=True, text=True, timeout=120)
+    out = cli_in_process("train", "--parallel=nope", ok=False)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel" in lines[0] and "'fsdp'" in lines[0], out.stderr

@@ -49,24 +49,37 @@ def _weights(run_dir) -> dict[str, torch.Tensor]:
     return load_run(run_dir).model.state_dict()
 
 
-def _steps_matching_a_straight_run(out, args: list[str], kjv_cache, ref) -> list[int]:
-    """Trains ``args`` straight through into ``ref`` (torchrun, 2 ranks); asserts that every step ``out``
-    logged has that run's loss and that ``out`` ends at its weights, bit for bit; returns ``out``'s steps."""
-    whole = run(torchrun(*args, "--out", str(ref)), kjv_cache)
+STRAIGHT = [*TINY, "--max-steps", "60"]  # the run every interrupted one must end as, bit for bit
+
+
+@pytest.fixture(scope="module")
+def straight(kjv_cache, tmp_path_factory: pytest.TempPathFactory):
+    """``STRAIGHT`` trained through without a fault (torchrun, 2 ranks), once for every test that compares
+    with it: (its loss at each logged step, its final weights). Checkpoint intervals and async saves change
+    neither (the faulted runs that use them end equal to it)."""
+    ref = tmp_path_factory.mktemp("straight") / "R"
+    whole = run(torchrun(*STRAIGHT, "--out", str(ref)), kjv_cache)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    losses = {r["step"]: r["loss"] for r in read_metrics(ref)}
+    return {r["step"]: r["loss"] for r in read_metrics(ref)}, _weights(ref)
+
+
+def _steps_matching_a_straight_run(out, straight) -> list[int]:
+    """Asserts that every step ``out`` logged has the straight run's loss and that ``out`` ends at its
+    weights, bit for bit; returns ``out``'s logged steps."""
+    losses, weights = straight
     got = read_metrics(out)
     assert all(r["loss"] == losses[r["step"]] for r in got)
-    a, b = _weights(out), _weights(ref)
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    a = _weights(out)
+    assert all(torch.equal(a[k], weights[k]) for k in weights)
     return [r["step"] for r in got]
 
 
 @pytest.mark.parametrize("extra", [pytest.param((), id="sync"),  # async: a background save is in flight too
                                    pytest.param(("--ckpt_interval=10", "--async_checkpoint=true"), id="async")])
-def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(extra, kjv_cache, tmp_path):
-    out, ref, log = tmp_path / "R", tmp_path / "ref", tmp_path / "log"
-    args = [*TINY, *extra, "--max-steps", "60", "--out", str(out)]
+def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(extra, kjv_cache, straight,
+                                                                              tmp_path):
+    out, log = tmp_path / "R", tmp_path / "log"
+    args = [*STRAIGHT, *extra, "--out", str(out)]
     # each worker is wrapped in a shell that records its exit status; the shell's own no-op trap lets it
     # outlive the signal torchrun sends to the whole worker process group
     inner = " ".join(f"'{a}'" for a in [sys.executable, "-m", "hybridnorm.cli", *args])
@@ -85,21 +98,21 @@ def test_sigterm_to_torchrun_saves_on_every_rank_exits_130_and_resumes_bitwise(e
     check_checkpoint(ckpt)  # every file against its manifest and schema
 
     assert not list((out / "checkpoints").glob(".tmp_*"))  # every save published or never begun
-    resumed = run(torchrun(*TINY, *extra, "--max-steps", "60", "--out", str(out), "--resume"), kjv_cache)
+    resumed = run(torchrun(*STRAIGHT, *extra, "--out", str(out), "--resume"), kjv_cache)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    steps = _steps_matching_a_straight_run(out, [*TINY, "--max-steps", "60"], kjv_cache, ref)  # before and after
+    steps = _steps_matching_a_straight_run(out, straight)  # before and after
     assert steps == sorted({*range(5, stopped + 1, 5), *range(5, 61, 5)})
 
 
 @pytest.mark.parametrize("killed", [0, 1])  # rank 0 also holds the run folder's lock and writes the logs
 def test_torchrun_max_restarts_brings_a_killed_rank_back_and_the_run_ends_as_if_never_stopped(killed, kjv_cache,
-                                                                                               tmp_path):
+                                                                                               straight, tmp_path):
     """torchrun's own fault tolerance (``--max-restarts``): a rank killed mid-run makes the agent restart the
     whole group with the same command, whose ``--resume`` continues from the newest complete checkpoint.
     The restarted group must meet (it failed to, on a store still holding the dead group's addresses) and
     end where a run never stopped ends, bit for bit."""
-    out, ref, log = tmp_path / "R", tmp_path / "ref", tmp_path / "log"
-    args = [*TINY, "--max-steps", "60", "--ckpt_interval=20"]
+    out, log = tmp_path / "R", tmp_path / "log"
+    args = [*STRAIGHT, "--ckpt_interval=20"]
     restarting = [*TORCHRUN, "--nproc_per_node", "2", "--max-restarts", "1", "-m", "hybridnorm.cli", *args,
                   "--out", str(out), "--resume"]
     proc = start(restarting, kjv_cache, log)
@@ -113,7 +126,7 @@ def test_torchrun_max_restarts_brings_a_killed_rank_back_and_the_run_ends_as_if_
     assert f"resumed from {out / 'checkpoints'}/step_0000" in text, text[-3000:]
     assert "final: step 60," in text
 
-    steps = _steps_matching_a_straight_run(out, args, kjv_cache, ref)
+    steps = _steps_matching_a_straight_run(out, straight)
     assert steps == list(range(5, 61, 5))  # the dead attempt's steps past its checkpoint dropped
 
 
@@ -130,7 +143,7 @@ def _rank_0_saw_its_peer_go(log) -> None:
 def test_a_frozen_rank_ends_the_job_at_the_timeout_with_an_error_naming_it(kjv_cache, tmp_path):
     out, log = tmp_path / "R", tmp_path / "log"
     proc = start(torchrun(*TINY, "--max-steps", "5000", "--dist_timeout=10", "--out", str(out)), kjv_cache, log)
-    wait_for(log, "step 30 ", proc)
+    wait_for(log, "step 10 ", proc)  # training: past the group's start-up and its first evaluations
     pids = workers(proc.pid)
     os.kill(pids[1], signal.SIGSTOP)  # it never reaches the next collective
     try:
