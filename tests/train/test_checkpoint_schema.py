@@ -5,6 +5,7 @@ nothing on disk."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -50,11 +51,18 @@ def _mutate(body: object, path: tuple, delete: bool, new: object) -> None:
         parent[path[-1]] = new
 
 
+@functools.cache
+def _models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The models the checkpoints load into, built once: each load overwrites every weight it reads, or is
+    refused, and what the model held before decides neither."""
+    return model_and_optimizer(steps=0, seed=7)[0], tiny_model()
+
+
 def _refused_or_loaded(ckpt: Path, culprit: str) -> None:
     """Check and load ``ckpt`` three ways; each must succeed or raise ConfigError naming ``ckpt/culprit``."""
     before = snapshot(ckpt)
-    model, _ = model_and_optimizer(steps=0, seed=7)
-    calls = (lambda: check_checkpoint(ckpt), lambda: load_weights(ckpt, tiny_model()),
+    model, plain = _models()
+    calls = (lambda: check_checkpoint(ckpt), lambda: load_weights(ckpt, plain),
              lambda: load_checkpoint(ckpt, model, build_optimizer(model, OptimConfig())))
     for call in calls:
         try:
