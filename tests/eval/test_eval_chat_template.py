@@ -90,6 +90,8 @@ def test_chat_formatted_tasks_equal_lm_evals_hf_backend_on_the_original_folder(f
     hflm.tokenizer.chat_template = TERSE if template else DEFAULT
     theirs = lm_eval.simple_evaluate(model=hflm, tasks=names, task_manager=task_manager(names, tasks),
                                      apply_chat_template=True, **kw)
+    assert {k: ours["config"][k] for k in ("chat_template", "fewshot_as_multiturn", "system_instruction")} == \
+        {"chat_template": template or "default", "fewshot_as_multiturn": True, "system_instruction": SYSTEM}
     for task in names:
         a, b = _samples(ours, task), _samples(theirs, task)
         assert len(a) == len(b) == len(TASKS[task][0])
@@ -133,3 +135,24 @@ def test_every_bad_chat_request_is_one_error_naming_what_to_change(folders, run_
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_the_eval_command_says_how_its_prompts_were_built(folders, tmp_path) -> None:
+    """`hybridnorm eval --tasks ... --apply-chat-template NAME --fewshot-as-multiturn`: the table's note and
+    the JSON's lm-eval config name the template (lm-eval's own results record it only through its tracker):
+    a chat-formatted score is not comparable with a plain one."""
+    import json
+
+    from train_helpers import cli_in_process  # tests/
+
+    _, run, tasks = folders
+    out = tmp_path / "res.json"
+    done = cli_in_process("eval", str(run), "--tasks", "chat_mc", "--include-path", str(tasks), "--limit", "2",
+                          "--num-fewshot", "1", "--apply-chat-template", "terse", "--fewshot-as-multiturn",
+                          "--output", str(out))
+    assert "lm-eval prompts: chat template 'terse', few-shot as turns" in " ".join(done.stdout.split())
+    config = json.loads(out.read_text())["lm_eval"]["config"]
+    assert (config["chat_template"], config["fewshot_as_multiturn"], config["system_instruction"]) == \
+        ("terse", True, None)
+    plain = cli_in_process("eval", str(run), "--tasks", "chat_mc", "--include-path", str(tasks), "--limit", "2")
+    assert "chat template" not in plain.stdout

@@ -251,6 +251,11 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         raise ConfigError(f"lm-eval could not run {', '.join(names)}: {type(e).__name__}: {msg}") from e
     if results is None:
         raise ConfigError("lm-eval returned no results (not the main process?)")
+    # how the prompts were built, which lm-eval records only through its EvaluationTracker: a score of
+    # chat-formatted prompts is not comparable with one of plain ones, so the results say which they are
+    results["config"].update(
+        chat_template=(lm.chat_template_name or chat_templates.DEFAULT) if apply_chat_template else None,
+        fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction)
     return results
 
 

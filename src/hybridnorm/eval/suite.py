@@ -118,6 +118,12 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
                           apply_chat_template=req.apply_chat_template or False,
                           fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction)
         rows += metric_rows(res)
+        if req.apply_chat_template or req.system_instruction is not None:
+            cfg = res["config"]
+            notes.append(f"lm-eval prompts: chat template {cfg['chat_template']!r}"
+                         f"{', few-shot as turns' if cfg['fewshot_as_multiturn'] else ''}"
+                         f"{', a system instruction' if cfg['system_instruction'] is not None else ''}"
+                         if cfg["chat_template"] else "lm-eval prompts: a system instruction, no chat template")
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
     print_results(rows, f"{run.checkpoint}", notes)
     if req.output:
