@@ -134,6 +134,7 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     import torch
 
+    from hybridnorm.data import chat_templates
     from hybridnorm.data.tokenizer import with_start
     from hybridnorm.loading import load_run
     from hybridnorm.nn.model import check_generate_args
@@ -142,15 +143,17 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     for name in ("prompt", "system"):
         if getattr(args, name) is not None and not is_utf8(getattr(args, name)):
             raise ConfigError(f"--{name}={getattr(args, name)!r} is not valid UTF-8 text: pass it as UTF-8")
-    if args.system is not None and args.chat is None:
-        raise ConfigError("--system is a chat turn: it needs --chat")
+    for flag, given in (("--system", args.system), ("--chat-template-args", args.chat_template_args)):
+        if given is not None and args.chat is None:
+            raise ConfigError(f"{flag} is for a chat turn: it needs --chat")
+    template_args = chat_templates.template_args(args.chat_template_args, "--chat-template-args")
     run = load_run(args.checkpoint)
     prompt = args.prompt
     if args.chat is not None:
         from hybridnorm.hf.chat import ChatFormatter
 
         turns = [{"role": "system", "content": args.system}] if args.system is not None else []
-        prompt = ChatFormatter(run, args.chat)([*turns, {"role": "user", "content": args.prompt}])
+        prompt = ChatFormatter(run, args.chat, template_args)([*turns, {"role": "user", "content": args.prompt}])
     gen = torch.Generator().manual_seed(args.seed)
     # the start token first (<|endoftext|> for our tokenizers: every training document followed one; a
     # folder's own BOS where its tokenizer adds one, once: a chat template may write it), as the evaluators

@@ -71,6 +71,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
                    help="--prompt is a user turn, formatted by the run's chat template (an imported instruct "
                         "folder's; NAME: a named one) with transformers' apply_chat_template; prints the reply")
     g.add_argument("--system", metavar="TEXT", help="with --chat: a system turn before the prompt")
+    g.add_argument("--chat-template-args", metavar="JSON", help="with --chat: template variables, e.g. "
+                                                                "'{\"enable_thinking\": false}'")
     g.set_defaults(func=commands["generate"])
 
     e = sub.add_parser("eval", parents=[common], help="evaluate a checkpoint: validation loss (default), "
@@ -99,6 +101,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     e.add_argument("--fewshot-as-multiturn", action="store_true",
                    help="lm-eval few-shot examples as alternating user/assistant turns (needs --apply-chat-template)")
     e.add_argument("--system-instruction", metavar="TEXT", help="lm-eval system message before each prompt")
+    e.add_argument("--chat-template-args", metavar="JSON", help="template variables, e.g. '{\"enable_thinking\": "
+                                                                "false}' (with --apply-chat-template)")
     e.add_argument("--device", help="cpu, cuda, cuda:N (default: where the run loads, the CPU)")
     e.add_argument("--output", metavar="FILE.json", help="also write all results (per item for --mc) as JSON")
     e.set_defaults(func=commands["eval"])

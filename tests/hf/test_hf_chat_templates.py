@@ -195,6 +195,6 @@ def test_generate_chat_replies_as_transformers_generate_of_the_folder(tmp_path: 
                 "--temperature", "0", "--max-new-tokens", "12", *(["--system", system] if system else [])]
         assert cli(*argv).stdout == reply + "\n"
     for argv, says in [(["--chat", "nope"], "no chat template named 'nope'; valid: default, tool_use"),
-                       (["--system", "x"], "--system is a chat turn: it needs --chat")]:
+                       (["--system", "x"], "--system is for a chat turn: it needs --chat")]:
         err = cli("generate", str(tmp_path / "run"), *argv, ok=False).stderr.strip().splitlines()
         assert len(err) == 1 and says in err[0], err

@@ -21,6 +21,10 @@ FILE = "chat_templates.json"
 DEFAULT = "default"
 # transformers' own names (transformers.utils.CHAT_TEMPLATE_FILE / CHAT_TEMPLATE_DIR)
 HF_FILE, HF_DIR, HF_CONFIG = "chat_template.jinja", "additional_chat_templates", "tokenizer_config.json"
+# arguments of transformers' apply_chat_template that hybridnorm or lm-eval set, not template variables
+RESERVED = frozenset({"conversation", "messages", "chat_template", "tokenize", "add_generation_prompt",
+                      "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs", "padding",
+                      "truncation", "max_length", "return_assistant_tokens_mask"})
 MAX_BYTES = 4 << 20  # the longest published templates are tens of KB; a tokenizer_config.json also holds vocab
 
 
@@ -113,3 +117,21 @@ def select(templates: dict[str, str], name: str | None, where: str) -> str:
     if name not in templates:
         raise ConfigError(f"{where} has no chat template named {name!r}; valid: {', '.join(sorted(templates))}")
     return templates[name]
+
+
+def template_args(text: str | dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """Extra variables for a chat template (``{"enable_thinking": false}`` for Qwen3's), given as a JSON object
+    (a command-line option) or a dict; one ConfigError naming ``where`` otherwise. Parsed as JSON data only."""
+    if text is None:
+        return {}
+    try:
+        value = plain_data.loads(text) if isinstance(text, str) else text
+    except ValueError as e:
+        raise ConfigError(f"{where}: {plain_data.describe_error(e)}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise ConfigError(f"{where} must be a JSON object of template variables such as "
+                          f"'{{\"enable_thinking\": false}}', got {json.dumps(value)[:80]}")
+    if taken := sorted(RESERVED & set(value)):
+        raise ConfigError(f"{where}: {', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by the caller "
+                          f"of the template, not a template variable")
+    return value

@@ -77,17 +77,28 @@ class HybridNormLM(_LMBase):
     for a run loaded here and to the model's current device for a given ``Run``. ``max_batch_size`` (which
     lm-eval passes along with ``batch_size``) is accepted and ignored: batches are fixed-size.
     ``chat_template``: the name of the run's chat template that ``apply_chat_template`` renders (checked
-    when lm-eval first asks for it; the run's ``default`` when not given)."""
+    when lm-eval first asks for it; the run's ``default`` when not given). ``chat_template_args`` (a dict, or
+    its JSON) and ``enable_thinking=False`` are extra template variables, as HFLM's; ``enable_thinking=True``
+    is refused: HFLM then cuts each generation's reasoning at its ``think_end_token``, which this adapter
+    does not."""
 
     def __init__(self, pretrained: str | Path | Run, batch_size: int | str = 8, device: str | None = None,
                  max_gen_toks: int | str = 256, max_batch_size: int | None = None, chat_template: str | None = None,
+                 chat_template_args: dict[str, Any] | str | None = None, enable_thinking: bool | str | None = None,
                  **kwargs: Any) -> None:
         require_lm_eval()
         super().__init__()
         if kwargs:
             raise ConfigError(f"unknown hybridnorm model_args {', '.join(map(repr, kwargs))}; valid: pretrained, "
-                              f"batch_size, device, max_gen_toks, chat_template")
+                              f"batch_size, device, max_gen_toks, chat_template, chat_template_args, enable_thinking")
         self.chat_template_name = chat_template
+        self.chat_template_args = chat_templates.template_args(chat_template_args, "chat_template_args")
+        if enable_thinking is not None:
+            if str(enable_thinking).lower() not in ("false", "0"):
+                raise ConfigError(f"enable_thinking={enable_thinking!r}: only False is supported (True needs each "
+                                  f"generation's reasoning cut at a think_end_token, as lm-eval's HF backend does; "
+                                  f"this adapter does not); chat_template_args passes any template variable as is")
+            self.chat_template_args["enable_thinking"] = False
         self._chat: Any = None  # the ChatFormatter of that template, built on first use
         run = pretrained if isinstance(pretrained, Run) else load_run(pretrained)
         self.run, self.model, self.tokenizer = run, run.model, run.tokenizer
@@ -124,8 +135,9 @@ class HybridNormLM(_LMBase):
 
         from hybridnorm.hf.chat import ChatFormatter
 
-        if self._chat is None or self._chat.name != (self.chat_template_name or chat_templates.DEFAULT):
-            self._chat = ChatFormatter(self.run, self.chat_template_name)
+        if self._chat is None or (self._chat.name, self._chat.template_args) != (
+                self.chat_template_name or chat_templates.DEFAULT, self.chat_template_args):
+            self._chat = ChatFormatter(self.run, self.chat_template_name, self.chat_template_args)
         kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt)
         try:
             return self._chat(chat_history, **kwargs)
@@ -211,11 +223,13 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                 num_fewshot: int | None = None, batch_size: int = 8, *, include_defaults: bool | None = None,
                 log_samples: bool = False, bootstrap_iters: int = 100_000, device: str | None = None,
                 apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
-                system_instruction: str | None = None) -> dict[str, Any]:
+                system_instruction: str | None = None, chat_template_args: dict[str, Any] | None = None,
+                ) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
     ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
     the first N documents of each task. ``apply_chat_template`` (True: the run's default chat template; a
-    name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's. Returns lm-eval's
+    name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's; ``chat_template_args``
+    are extra template variables (``{"enable_thinking": False}``). Returns lm-eval's
     results dict (``results``, ``n-samples``, ``config``, ... and ``samples`` when ``log_samples``)."""
     require_lm_eval()
     use_offline_defaults()
@@ -229,11 +243,16 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         raise ConfigError(f"num_fewshot={num_fewshot!r} must be a non-negative integer")
     if fewshot_as_multiturn and not apply_chat_template:
         raise ConfigError("fewshot_as_multiturn needs apply_chat_template (the turns are chat messages)")
+    if chat_template_args is not None and not apply_chat_template:
+        raise ConfigError("chat_template_args needs apply_chat_template (they are the template's variables)")
+    template_args = chat_templates.template_args(chat_template_args, "chat_template_args")
     tm = task_manager(names, include_path, include_defaults)
     lm = run_or_path if isinstance(run_or_path, HybridNormLM) else \
         HybridNormLM(run_or_path, batch_size=batch_size, device=device)
     if isinstance(apply_chat_template, str):
         lm.chat_template_name = apply_chat_template
+    if chat_template_args is not None:
+        lm.chat_template_args = template_args
     if apply_chat_template:
         lm.chat_template(True)  # no template of that name: one error now, not after the tasks are built
     from lm_eval import simple_evaluate
@@ -255,6 +274,7 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
     # chat-formatted prompts is not comparable with one of plain ones, so the results say which they are
     results["config"].update(
         chat_template=(lm.chat_template_name or chat_templates.DEFAULT) if apply_chat_template else None,
+        chat_template_args=lm.chat_template_args if apply_chat_template else None,
         fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction)
     return results
 

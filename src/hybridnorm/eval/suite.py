@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridnorm.config_base import Config, bounded
+from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
 from hybridnorm.loading import Run, evaluate_run, load_run
@@ -38,6 +39,7 @@ class EvalRequest(Config):
     apply_chat_template: str | None = None  # lm-eval prompts as chat: the run's template of this name
     fewshot_as_multiturn: bool = False
     system_instruction: str | None = None
+    chat_template_args: str | None = None  # JSON object of template variables
     device: str | None = None
     output: str | None = None          # also write the results as JSON
     debug: bool = False                # keep lm-eval's own warnings
@@ -49,12 +51,16 @@ class EvalRequest(Config):
     def check(self) -> None:
         lm_eval_only = {"--include-path": self.include_path, "--num-fewshot": self.num_fewshot is not None,
                         "--apply-chat-template": self.apply_chat_template, "--system-instruction":
-                        self.system_instruction is not None, "--fewshot-as-multiturn": self.fewshot_as_multiturn}
+                        self.system_instruction is not None, "--fewshot-as-multiturn": self.fewshot_as_multiturn,
+                        "--chat-template-args": self.chat_template_args is not None}
         if not self.tasks and any(lm_eval_only.values()):
             raise ConfigError(f"{', '.join(k for k, v in lm_eval_only.items() if v)}: only for lm-eval tasks "
                               f"(--tasks a,b)")
-        if self.fewshot_as_multiturn and not self.apply_chat_template:
-            raise ConfigError("--fewshot-as-multiturn needs --apply-chat-template (the turns are chat messages)")
+        for flag, given in (("--fewshot-as-multiturn", self.fewshot_as_multiturn),
+                            ("--chat-template-args", self.chat_template_args is not None)):
+            if given and not self.apply_chat_template:
+                raise ConfigError(f"{flag} needs --apply-chat-template (chat turns and their template's variables)")
+        chat_templates.template_args(self.chat_template_args, "--chat-template-args")  # before the run loads
         if not (self.mc or self.text or self.tasks) and self.limit is not None:
             raise ConfigError("--limit only applies to --mc and --tasks")
         if self.tasks is not None and not task_names(self.tasks):
@@ -116,19 +122,29 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
         res = run_lm_eval(run, task_names(req.tasks), include_path=req.include_path, limit=req.limit,
                           num_fewshot=req.num_fewshot, batch_size=scoring_batch,
                           apply_chat_template=req.apply_chat_template or False,
-                          fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction)
+                          fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction,
+                          chat_template_args=None if req.chat_template_args is None else
+                          chat_templates.template_args(req.chat_template_args, "--chat-template-args"))
         rows += metric_rows(res)
         if req.apply_chat_template or req.system_instruction is not None:
-            cfg = res["config"]
-            notes.append(f"lm-eval prompts: chat template {cfg['chat_template']!r}"
-                         f"{', few-shot as turns' if cfg['fewshot_as_multiturn'] else ''}"
-                         f"{', a system instruction' if cfg['system_instruction'] is not None else ''}"
-                         if cfg["chat_template"] else "lm-eval prompts: a system instruction, no chat template")
+            notes.append(f"lm-eval prompts: {_prompt_note(res['config'])}")
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
     print_results(rows, f"{run.checkpoint}", notes)
     if req.output:
         print(f"results: {write_json(req.output, out)}")
     return out
+
+
+def _prompt_note(config: dict[str, Any]) -> str:
+    """How lm-eval's prompts were built (:func:`~hybridnorm.eval.lm_eval_adapter.run_lm_eval`'s record)."""
+    parts = [f"chat template {config['chat_template']!r}" if config["chat_template"] else "no chat template"]
+    if config["chat_template_args"]:
+        parts.append(f"template variables {config['chat_template_args']}")
+    if config["fewshot_as_multiturn"]:
+        parts.append("few-shot as turns")
+    if config["system_instruction"] is not None:
+        parts.append("a system instruction")
+    return ", ".join(parts)
 
 
 def _validation_loss(run: Run, req: EvalRequest) -> dict[str, Any]:
