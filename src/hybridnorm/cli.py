@@ -153,7 +153,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         from hybridnorm.hf.chat import ChatFormatter
 
         turns = [{"role": "system", "content": args.system}] if args.system is not None else []
-        prompt = ChatFormatter(run, args.chat, template_args)([*turns, {"role": "user", "content": args.prompt}])
+        prompt = ChatFormatter(run)([*turns, {"role": "user", "content": args.prompt}], args.chat, template_args)
     gen = torch.Generator().manual_seed(args.seed)
     # the start token first (<|endoftext|> for our tokenizers: every training document followed one; a
     # folder's own BOS where its tokenizer adds one, once: a chat template may write it), as the evaluators

@@ -99,7 +99,7 @@ class HybridNormLM(_LMBase):
                                   f"generation's reasoning cut at a think_end_token, as lm-eval's HF backend does; "
                                   f"this adapter does not); chat_template_args passes any template variable as is")
             self.chat_template_args["enable_thinking"] = False
-        self._chat: Any = None  # the ChatFormatter of that template, built on first use
+        self._chat: Any = None  # the run's ChatFormatter, built on first use
         run = pretrained if isinstance(pretrained, Run) else load_run(pretrained)
         self.run, self.model, self.tokenizer = run, run.model, run.tokenizer
         self.batch_size = _positive_int(batch_size, "batch_size")
@@ -135,10 +135,10 @@ class HybridNormLM(_LMBase):
 
         from hybridnorm.hf.chat import ChatFormatter
 
-        if self._chat is None or (self._chat.name, self._chat.template_args) != (
-                self.chat_template_name or chat_templates.DEFAULT, self.chat_template_args):
-            self._chat = ChatFormatter(self.run, self.chat_template_name, self.chat_template_args)
-        kwargs = dict(add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt)
+        if self._chat is None:
+            self._chat = ChatFormatter(self.run)
+        kwargs = dict(name=self.chat_template_name, template_args=self.chat_template_args,
+                      add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt)
         try:
             return self._chat(chat_history, **kwargs)
         except TemplateError:
@@ -223,13 +223,13 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                 num_fewshot: int | None = None, batch_size: int = 8, *, include_defaults: bool | None = None,
                 log_samples: bool = False, bootstrap_iters: int = 100_000, device: str | None = None,
                 apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
-                system_instruction: str | None = None, chat_template_args: dict[str, Any] | None = None,
+                system_instruction: str | None = None, chat_template_args: dict[str, Any] | str | None = None,
                 ) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
     ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
     the first N documents of each task. ``apply_chat_template`` (True: the run's default chat template; a
     name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's; ``chat_template_args``
-    are extra template variables (``{"enable_thinking": False}``). Returns lm-eval's
+    are extra template variables (``{"enable_thinking": False}``, or its JSON). Returns lm-eval's
     results dict (``results``, ``n-samples``, ``config``, ... and ``samples`` when ``log_samples``)."""
     require_lm_eval()
     use_offline_defaults()

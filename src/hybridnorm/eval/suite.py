@@ -123,8 +123,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
                           num_fewshot=req.num_fewshot, batch_size=scoring_batch,
                           apply_chat_template=req.apply_chat_template or False,
                           fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction,
-                          chat_template_args=None if req.chat_template_args is None else
-                          chat_templates.template_args(req.chat_template_args, "--chat-template-args"))
+                          chat_template_args=req.chat_template_args)  # JSON, checked by check()
         rows += metric_rows(res)
         if req.apply_chat_template or req.system_instruction is not None:
             notes.append(f"lm-eval prompts: {_prompt_note(res['config'])}")
