@@ -6,8 +6,6 @@ every request as ``hybridnorm eval --tasks`` does."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -17,10 +15,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+from train_helpers import cli_in_process  # tests/
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
-from hybridnorm.cli import main
 from hybridnorm.hf.export import export_run
 from hybridnorm.loading import load_run
 
@@ -36,11 +34,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory, trained_run: Path) -> Pat
 
 
 def cli_generate(run: Path, prompt: str) -> str:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert main(["generate", str(run), "--prompt", prompt, "--temperature", "0",
-                     "--max-new-tokens", str(NEW)]) == 0
-    return buf.getvalue().rstrip("\n")
+    return cli_in_process("generate", str(run), "--prompt", prompt, "--temperature", "0", "--max-new-tokens",
+                          str(NEW)).stdout.rstrip("\n")
 
 
 def test_generate_equals_the_cli_cached_uncached_single_and_left_padded(trained_run: Path, exported: Path) -> None:

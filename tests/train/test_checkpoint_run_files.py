@@ -6,8 +6,6 @@ written before the copies existed still opens with its run folder's files."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import as_older_checkpoint, flip_byte, model_and_optimizer, write_checkpoint
+from train_helpers import cli_in_process
 
 from hybridnorm import cli
 from hybridnorm.loading import evaluate_run, load_run
@@ -53,10 +52,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, cache_dir: Path)
 
 
 def _cli_out(*argv: str) -> str:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert cli.main(list(argv)) == 0, argv
-    return buf.getvalue()
+    return cli_in_process(*argv).stdout
 
 
 def test_every_checkpoint_holds_the_run_files_it_was_written_with(run: Path) -> None:
