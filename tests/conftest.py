@@ -16,13 +16,7 @@ from hybridnorm.train.config import TrainConfig, apply_overrides
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``@pytest.mark.cuda`` tests skip cleanly on a machine without a GPU (CI has none). Modules marked
-    ``heavy`` (a minute or more of torchrun and CLI processes) are collected first: ``make test`` runs the files
-    on 2 workers (pytest-xdist, ``--dist loadfile``: a module's tests and fixtures stay on one worker) which
-    take the files in collection order (``--no-loadscope-reorder``; xdist's default would put the files with
-    the fewest tests, these, last), so the run does not end with one worker alone on a torchrun file while
-    the other idles. The order within each group is unchanged."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: heavy modules first
+    """``@pytest.mark.cuda`` tests skip cleanly on a machine without a GPU (CI has none)."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -23,8 +23,6 @@ from bad_input_helpers import make_hf_and_run, snapshot
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
-pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
-
 # argv: the marker prefix, "module:function" to hold (once), then the CLI's arguments
 WRAPPER = textwrap.dedent('''
     import importlib, runpy, sys, time

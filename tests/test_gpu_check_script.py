@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 CHECKS = ["environment", "numerics", "cuda_tests", "train_hybridnorm_star_ac_off", "train_hybridnorm_star_ac_on",

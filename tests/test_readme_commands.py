@@ -18,8 +18,6 @@ from train_helpers import run_bounded
 
 import hybridnorm
 
-pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
-
 README = Path(__file__).resolve().parents[1] / "README.md"
 PLACEHOLDERS = ("...", "[", "]", "HOST", "|")
 

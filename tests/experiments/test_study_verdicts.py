@@ -4,11 +4,7 @@ while Pre-Norm trains. The old rule (final loss < 0.95 × first logged loss) cal
 
 import json
 
-import pytest
-
 from hybridnorm import cli
-
-pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
 
 
 def test_sweep_marks_hybridnorm_not_trained_and_pre_trained(tmp_path, no_peak_measure, capsys):

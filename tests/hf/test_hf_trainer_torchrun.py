@@ -17,8 +17,6 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 pytest.importorskip("accelerate", reason="Trainer needs accelerate (in the dev extra)")
 from train_helpers import TORCHRUN, run_bounded  # tests/: a subprocess killed with its children if it hangs
 
-pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
-
 WORKER = str(Path(__file__).with_name("trainer_worker.py"))
 
 

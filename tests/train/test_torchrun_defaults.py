@@ -14,8 +14,7 @@ import torch
 from torchrun_helpers import hybridnorm, run, tensorboard_steps, torchrun
 from train_helpers import TORCHRUN, read_metrics
 
-pytestmark = [pytest.mark.heavy,  # collected first (tests/conftest.py)
-              pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")]
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
 
 
 @pytest.fixture(scope="module")

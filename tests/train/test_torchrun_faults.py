@@ -18,8 +18,7 @@ from train_helpers import TORCHRUN, kill_tree, read_metrics
 
 from hybridnorm.train.checkpoint import check_checkpoint, latest_checkpoint
 
-pytestmark = [pytest.mark.heavy,  # collected first (tests/conftest.py)
-              pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")]
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
 
 TINY = ("train", "--size", "tiny", "--parallel=fsdp", "--log_interval=5")
 

@@ -14,8 +14,6 @@ from torchrun_helpers import hybridnorm, run, torchrun
 
 from hybridnorm.cli import ONE_PROCESS_COMMANDS, main
 
-pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
-
 needs_torchrun = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
 
 
