@@ -23,6 +23,15 @@ def _compare(corpus: Path, out: Path, *extra: str) -> list[str]:
             "--batch_size=4", "--eval_batches=2", "--device=cpu", *extra]
 
 
+def _refusal(stderr: str, text: str) -> None:
+    """Each rank that got to speak printed this one error line and nothing else of ours. One line or two:
+    torchrun stops the other worker as soon as one exits, which can be before that worker prints (seen under
+    load), so two lines is not a property of ours to assert."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert 1 <= len(errors) <= 2 and all(e.startswith(f"error: {text}") for e in errors), stderr[-3000:]
+    assert "hybridnorm/" not in stderr  # no traceback of ours (torchrun prints its own summary)
+
+
 def _runs(out: Path) -> dict[str, dict]:
     return {r["placement"]: r for r in json.loads((out / "runs.json").read_text())["runs"]}
 
@@ -63,16 +72,16 @@ def test_jobs_under_torchrun_and_one_process_commands_are_refused_before_writing
     out = tmp_path / "grid"
     jobs = run(torchrun(*_compare(corpus, out, "--jobs", "2")), cache_dir)
     assert jobs.returncode != 0 and not out.exists()
-    assert jobs.stderr.count("error: --jobs=2 under torchrun: each run of the grid already trains on all 2") == 2
+    _refusal(jobs.stderr, "--jobs=2 under torchrun: each run of the grid already trains on all 2")
     fsdp = run(torchrun(*_compare(corpus, out, "--parallel=fsdp")), cache_dir)
     assert fsdp.returncode != 0 and not out.exists()
-    assert fsdp.stderr.count("error: parallel='fsdp' in a grid: its verdicts and depth plots need per-layer") == 2
+    _refusal(fsdp.stderr, "parallel='fsdp' in a grid: its verdicts and depth plots need per-layer")
 
-    # refused before the run is read (so none need exist): every one-process command, in-process, below
+    # refused before the run is read (so none need exist): every one-process command, in-process, below (rank 1's
+    # refusal too, which torchrun may stop before it prints)
     export = run(torchrun("export", str(tmp_path / "run"), "--to", "hf", str(tmp_path / "hf")), cache_dir)
     assert export.returncode != 0 and not (tmp_path / "hf").exists()
-    assert export.stderr.count("error: hybridnorm export runs in one process, but torchrun started 2") == 2
-    assert "hybridnorm/" not in export.stderr  # no traceback of ours (torchrun prints its own summary)
+    _refusal(export.stderr, "hybridnorm export runs in one process, but torchrun started 2")
 
 
 @pytest.mark.parametrize("command", ONE_PROCESS_COMMANDS)
