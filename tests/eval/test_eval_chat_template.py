@@ -154,7 +154,6 @@ def test_every_bad_chat_request_is_one_error_naming_what_to_change(folders, run_
          "--chat-template-args must be a JSON object"),
         (["generate", str(run), "--chat-template-args", "{}"], "--chat-template-args is for a chat turn"),
         (["generate", str(run), "--chat", "--chat-template-args", "{x"], "--chat-template-args: not valid JSON"),
-
         (["eval", str(run), "--apply-chat-template"], "--apply-chat-template: only for lm-eval tasks"),
         (["eval", str(run), "--tasks", "kjv_mc", "--fewshot-as-multiturn"], "needs --apply-chat-template"),
         (["eval", str(run), "--tasks", "kjv_mc", "--apply-chat-template", "nope"], "valid: default, terse, think"),
