@@ -1,6 +1,7 @@
 """``hybridnorm generate``'s arguments are range-checked: any bad number is one ``error:`` line naming the
-argument and exit 2, never a traceback; and any in-range temperature samples (a subnormal one included,
-which used to turn every logit into ±inf and the softmax into NaN)."""
+argument and exit 2, never a traceback; and any in-range setting samples (a subnormal temperature included,
+which used to turn every logit into ±inf and the softmax into NaN; a top-p or min-p that leaves one token;
+any positive repetition penalty)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ bad_temperature = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -0.5
                             st.floats(max_value=0, exclude_max=True))  # negatives, subnormal ones included
 bad_int = st.integers(max_value=-1)
 bad_seed = st.one_of(bad_int, st.integers(min_value=2**64, max_value=2**200))
+non_finite = st.sampled_from([math.nan, math.inf, -math.inf])
+bad_top_p = st.one_of(non_finite, st.floats(max_value=0), st.floats(min_value=1, exclude_min=True))
+bad_min_p = st.one_of(non_finite, st.floats(max_value=0, exclude_max=True), st.floats(min_value=1, exclude_min=True))
+bad_penalty = st.one_of(non_finite, st.floats(max_value=0))
 
 
 def _refused(argv: list[str], capsys, needle: str) -> None:
@@ -47,6 +52,14 @@ def test_negative_counts_are_one_error_line(tiny_run: Path, capsys, name: str, v
 
 
 @IN_PROCESS
+@given(case=st.one_of(st.tuples(st.just("--top-p"), bad_top_p), st.tuples(st.just("--min-p"), bad_min_p),
+                      st.tuples(st.just("--repetition-penalty"), bad_penalty)))
+def test_bad_filters_and_penalties_are_one_error_line(tiny_run: Path, capsys, case: tuple[str, float]) -> None:
+    name, value = case
+    _refused(["generate", str(tiny_run), f"{name}={value!r}"], capsys, f"{name}=")
+
+
+@IN_PROCESS
 @given(value=bad_seed)
 def test_seeds_outside_the_generators_range_are_one_error_line(tiny_run: Path, capsys, value: int) -> None:
     _refused(["generate", str(tiny_run), f"--seed={value}"], capsys, f"--seed={value}")
@@ -62,11 +75,16 @@ def test_a_continuation_past_max_seq_len_is_refused_before_generating(tiny_run: 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(temperature=st.one_of(st.just(0.0), st.just(5e-324), st.floats(min_value=0, max_value=1e308)),
-       top_k=st.integers(min_value=0, max_value=10**6), seed=st.integers(min_value=0, max_value=2**64 - 1))
-def test_every_in_range_setting_generates(tiny_run: Path, capsys, temperature: float, top_k: int, seed: int) -> None:
+       top_k=st.integers(min_value=0, max_value=10**6), seed=st.integers(min_value=0, max_value=2**64 - 1),
+       top_p=st.one_of(st.just(1.0), st.just(5e-324), st.floats(min_value=0, max_value=1, exclude_min=True)),
+       min_p=st.one_of(st.just(0.0), st.just(1.0), st.floats(min_value=0, max_value=1)),
+       penalty=st.one_of(st.just(1.0), st.just(5e-324), st.floats(min_value=0, max_value=1e308, exclude_min=True)))
+def test_every_in_range_setting_generates(tiny_run: Path, capsys, temperature: float, top_k: int, seed: int,
+                                          top_p: float, min_p: float, penalty: float) -> None:
     capsys.readouterr()
     assert main(["generate", str(tiny_run), "--prompt", "the", "--max-new-tokens=3", f"--temperature={temperature!r}",
-                 f"--top-k={top_k}", f"--seed={seed}"]) == 0, capsys.readouterr().err
+                 f"--top-k={top_k}", f"--seed={seed}", f"--top-p={top_p!r}", f"--min-p={min_p!r}",
+                 f"--repetition-penalty={penalty!r}"]) == 0, capsys.readouterr().err
 
 
 @settings(max_examples=200, deadline=None)
@@ -79,6 +97,16 @@ def test_the_python_api_checks_the_same_ranges(max_new_tokens, temperature, top_
     args[which] = (max_new_tokens, temperature, top_k)[which]
     with pytest.raises(ConfigError):
         check_generate_args(*args)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=st.one_of(st.tuples(st.just("top_p"), st.one_of(bad_top_p, st.none(), st.text(max_size=3))),
+                      st.tuples(st.just("min_p"), st.one_of(bad_min_p, st.none(), st.booleans())),
+                      st.tuples(st.just("repetition_penalty"), st.one_of(bad_penalty, st.none()))))
+def test_the_python_api_checks_the_filters_too(case: tuple[str, object]) -> None:
+    name, value = case
+    with pytest.raises(ConfigError, match=f"^{name}="):
+        check_generate_args(3, 1.0, 5, **{name: value})
 
 
 def test_generate_itself_refuses_before_sampling() -> None:

@@ -139,7 +139,9 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.loading import load_run
     from hybridnorm.nn.model import check_generate_args
 
-    check_generate_args(args.max_new_tokens, args.temperature, args.top_k, args.seed, as_options=True)  # pre-load
+    sampling = dict(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, min_p=args.min_p,
+                    repetition_penalty=args.repetition_penalty)
+    check_generate_args(args.max_new_tokens, **sampling, seed=args.seed, as_options=True)  # before loading
     for name in ("prompt", "system"):
         if getattr(args, name) is not None and not is_utf8(getattr(args, name)):
             raise ConfigError(f"--{name}={getattr(args, name)!r} is not valid UTF-8 text: pass it as UTF-8")
@@ -161,8 +163,8 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     ids = with_start(run.tokenizer, run.tokenizer.encode(prompt))
     # ends after the end-of-text token (or an HF folder's other eos ids), as transformers' generate ends
     stops = [run.tokenizer.eot_id, *run.stop_ids]
-    out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k or None, generator=gen, stop_ids=None if args.ignore_eos else stops)
+    out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, **sampling, generator=gen,
+                             stop_ids=None if args.ignore_eos else stops)
     if args.chat is None:
         print(run.tokenizer.decode(out[0, 1:].tolist()))
     else:  # the reply alone, without the token that ended it

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +22,7 @@ from hybridnorm.nn.init import init_weights
 from hybridnorm.nn.moe import mean_router_losses
 from hybridnorm.nn.norms import build_norm
 from hybridnorm.nn.rope import rope_tables
+from hybridnorm.nn.sampling import Sampling, check_sampling
 
 
 class TransformerLM(nn.Module):
@@ -218,16 +218,21 @@ class TransformerLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 top_k: int | None = None, top_p: float = 1.0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, generator: torch.Generator | None = None,
                  stop_ids: int | Sequence[int] | None = None) -> Tensor:
         """Sample continuations with a KV cache; ``temperature=0`` is greedy, ``top_k`` None or 0 samples from
-        the whole vocabulary. Returns (B, T + new). ``stop_ids`` (end-of-text tokens, one or several): a row
+        the whole vocabulary; ``top_p``, ``min_p`` and ``repetition_penalty`` as transformers' ``generate``
+        (:mod:`hybridnorm.nn.sampling`: the same order and rules, so the same seed draws the same tokens).
+        Returns (B, T + new). ``stop_ids`` (end-of-text tokens, one or several): a row
         that emits one emits only the first of them from then on, and generation ends once every row has, so
         new may be < max_new_tokens (transformers' ``generate`` with those eos ids, whose finished rows get
         the pad token: our exported tokenizers' pad is their end-of-text token). Arguments out of range raise
         ConfigError up front (:func:`check_generate_args`), as does a prompt + continuation longer than
         ``max_seq_len``."""
-        check_generate_args(max_new_tokens, temperature, top_k)
+        check_generate_args(max_new_tokens, temperature, top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty)
+        sampling = Sampling(temperature, top_k or 0, top_p, min_p, repetition_penalty)
         stops = _stop_tensor(stop_ids, self.config.vocab_size, input_ids.device)
         B, T = input_ids.shape
         if T < 1 or T + max_new_tokens > self.config.max_seq_len:
@@ -236,24 +241,20 @@ class TransformerLM(nn.Module):
         cache = self.new_cache(B, min(self.config.max_seq_len, T + max_new_tokens))
         logits = self(input_ids, cache=cache)[:, -1]
         out = [input_ids]
-        # a temperature that rounds to 0 in fp32 (the logits' dtype here) is the T -> 0 limit: greedy
-        greedy = temperature < torch.finfo(torch.float32).tiny
+        V = self.config.vocab_size
+        seen = None  # (B, embedding rows) bool: the tokens so far, prompt included, for the repetition penalty
+        if repetition_penalty != 1.0:
+            seen = torch.zeros(B, logits.shape[-1], dtype=torch.bool, device=input_ids.device)
+            seen.scatter_(1, input_ids, True)
         done = torch.zeros(B, 1, dtype=torch.bool, device=input_ids.device)  # rows that emitted a stop id
         for i in range(max_new_tokens):
-            logits = logits[:, : self.config.vocab_size].float()  # never sample padding rows
-            if greedy:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                # shifted so the largest logit is 0 before dividing: a small temperature then sends the others
-                # to -inf instead of every logit to ±inf and the softmax to NaN
-                logits = (logits - logits.amax(-1, keepdim=True)) / temperature
-                if top_k:
-                    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            logits = logits[:, :V].float()  # never sample padding rows
+            nxt = sampling.next_token(logits, None if seen is None else seen[:, :V], generator)  # (B, 1)
             if stops is not None:
                 nxt = nxt.masked_fill(done, stops[0])
                 done = done | torch.isin(nxt, stops)
+            if seen is not None:
+                seen.scatter_(1, nxt, True)
             out.append(nxt)
             if i + 1 == max_new_tokens or (stops is not None and bool(done.all())):  # a host sync a token
                 break
@@ -274,25 +275,21 @@ def _stop_tensor(stop_ids: int | Sequence[int] | None, vocab_size: int, device: 
 
 
 def check_generate_args(max_new_tokens: int, temperature: float, top_k: int | None = None,
-                        seed: int | None = None, *, as_options: bool = False) -> None:
+                        seed: int | None = None, *, top_p: float = 1.0, min_p: float = 0.0,
+                        repetition_penalty: float = 1.0, as_options: bool = False) -> None:
     """ConfigError naming the first argument of :meth:`TransformerLM.generate` (and the seed of its
     generator) that is out of range; NaN and infinities are out of every range. ``as_options``: name them
     as the command line spells them (``--max-new-tokens``)."""
-    def name(arg: str) -> str:
-        return "--" + arg.replace("_", "-") if as_options else arg
-
     def integer(x: object) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
     if not integer(max_new_tokens) or max_new_tokens < 0:
-        raise ConfigError(f"{name('max_new_tokens')}={max_new_tokens!r} must be an integer >= 0")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ConfigError(f"{name('temperature')}={temperature!r} must be a finite number >= 0 (0: greedy)")
-    if top_k is not None and (not integer(top_k) or top_k < 0):
-        raise ConfigError(f"{name('top_k')}={top_k!r} must be an integer >= 0 (0: no limit)")
+        name = "--max-new-tokens" if as_options else "max_new_tokens"
+        raise ConfigError(f"{name}={max_new_tokens!r} must be an integer >= 0")
+    check_sampling(Sampling(temperature, 0 if top_k is None else top_k, top_p, min_p, repetition_penalty),
+                   as_options=as_options)
     if seed is not None and (not integer(seed) or not 0 <= seed < 2**64):
-        raise ConfigError(f"{name('seed')}={seed!r} must be an integer from 0 to 2**64 - 1")
+        raise ConfigError(f"{'--seed' if as_options else 'seed'}={seed!r} must be an integer from 0 to 2**64 - 1")
 
 
 def _padding_mask(attention_mask: Tensor, start: int, T: int) -> Tensor:
