@@ -67,8 +67,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         # NaN without divergence: no step trained by this command (a resume of a run already at max_steps)
         train_loss = f"{result.train_loss:.4f}" if math.isfinite(result.train_loss) else "- (no step to train)"
         print(f"final: step {result.step}, train loss {train_loss}, val loss {result.val_loss:.4f} "
-              f"(val ppl {math.exp(result.val_loss):.2f}); unigram entropy {result.unigram_entropy:.4f} nats; "
-              f"run folder {result.run_dir}")
+              f"(val ppl {math.exp(result.val_loss):.2f}); unigram entropy {result.unigram_entropy:.4f} nats"
+              + (f", bigram {result.bigram_entropy:.4f} nats" if result.bigram_entropy is not None else "")
+              + f"; run folder {result.run_dir}")
     return 0
 
 

@@ -49,7 +49,7 @@ def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = N
     batch_size = batch_size or run.config.batch_size
     windows = max_batches * batch_size if max_batches is not None else run.config.eval_windows
     data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
-                        cache_dir=run.config.data.cache_dir)
+                        cache_dir=run.config.data.cache_dir, text_field=run.config.data.text_field)
     data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
     val = data.val_tokens()
     if len(val) < seq_len + 1:

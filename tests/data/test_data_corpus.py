@@ -144,3 +144,24 @@ def test_bad_arguments(tmp_path):
         load_corpus("kjv", val_fraction=1.5)
     with pytest.raises(ConfigError, match="too small to split"):
         split_documents(["x"], 0.05)
+
+
+def test_the_field_an_error_names_is_a_config_field_the_commands_follow(tmp_path, no_peak_measure):
+    """A .jsonl whose text is under another key: `train` says `data.text_field='text'` is missing and lists
+    the record's fields; `--data.text_field=content` trains on it, and `eval` of the run reads the same
+    field again (its validation loss is the one training logged). An empty field is refused by name."""
+    from train_helpers import cli_in_process, read_metrics, tiny_overrides  # tests/
+
+    source = tmp_path / "c.jsonl"
+    source.write_text("".join(json.dumps({"content": f"{d} {d}", "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    out = tmp_path / "run"
+    args = [*tiny_overrides(source, tmp_path / "cache", out), "--max_steps=2", "--eval_interval=2"]
+    err = cli_in_process("train", *args, ok=False).stderr.strip().splitlines()
+    assert len(err) == 1 and "no string field data.text_field='text' (missing; its fields: 'content', 'id')" \
+        in err[0], err
+    empty = cli_in_process("train", *args, "--data.text_field=", ok=False).stderr.strip().splitlines()
+    assert len(empty) == 1 and "data.text_field='' must name the field" in empty[0], empty
+    cli_in_process("train", *args, "--data.text_field=content")
+    logged = read_metrics(out, "eval")[-1]["val_loss"]
+    evaluated = cli_in_process("eval", str(out)).stdout
+    assert f"{logged:.4f}" in evaluated, (logged, evaluated)

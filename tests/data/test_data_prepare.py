@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from hybridnorm.data import KJV_VAL_BOOKS, TokenBatches, prepare_data, unigram_entropy
+from hybridnorm.data import KJV_VAL_BOOKS, TokenBatches, bigram_entropy, prepare_data, unigram_entropy
 from hybridnorm.data import prepare as prepare_mod
 from hybridnorm.errors import ConfigError
 
@@ -43,6 +43,7 @@ def test_cold_then_warm(source, tmp_path, monkeypatch):
     assert int((train == cold.eot_id).sum()) == s.train_docs
     assert s.unigram_entropy == pytest.approx(unigram_entropy(train, val, 300))
     assert 0 < s.unigram_entropy < np.log(300)
+    assert s.bigram_entropy == pytest.approx(bigram_entropy(train, val, 300))
 
     for name in ("load_corpus", "load_or_train_bpe", "tokenize_to_memmap"):
         _forbid(monkeypatch, name)
@@ -104,3 +105,33 @@ def test_full_kjv_bpe8192(kjv_dir, monkeypatch):
     _forbid(monkeypatch, "load_corpus")  # warm: no corpus parsing, no training, no tokenizing
     warm = prepare_data("kjv", "bpe", 8192, cache_dir=kjv_dir)
     assert warm.cached and warm.stats == s
+
+
+def test_a_cache_from_before_the_bigram_reference_gets_it_once(source, tmp_path, monkeypatch):
+    """A cache whose meta.json has no bigram (written before 2026-11-28) is used as it is: the bigram is
+    computed and written into its meta.json, so the next load computes nothing; a cache that cannot be
+    written (a read-only disk) is still used, the value kept in memory."""
+    first = prepare_data(source, "bpe", 300, cache_dir=tmp_path)
+    want = first.stats.bigram_entropy
+    meta_path = first.dir / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["stats"]["bigram_entropy"]
+    meta_path.write_text(json.dumps(meta))
+    for name in ("load_corpus", "load_or_train_bpe", "tokenize_to_memmap"):
+        _forbid(monkeypatch, name)
+    old = prepare_data(source, "bpe", 300, cache_dir=tmp_path)
+    assert old.cached and old.stats.bigram_entropy == pytest.approx(want)
+    assert json.loads(meta_path.read_text())["stats"]["bigram_entropy"] == pytest.approx(want)
+    with monkeypatch.context() as m:
+        _forbid(m, "bigram_entropy")
+        assert prepare_data(source, "bpe", 300, cache_dir=tmp_path).stats.bigram_entropy == pytest.approx(want)
+
+    meta_path.write_text(json.dumps(meta))  # without it again, on a disk that refuses writes
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(prepare_mod, "atomic_write", read_only)
+    again = prepare_data(source, "bpe", 300, cache_dir=tmp_path)
+    assert again.cached and again.stats.bigram_entropy == pytest.approx(want)
+    assert "bigram_entropy" not in json.loads(meta_path.read_text())["stats"]

@@ -1,7 +1,8 @@
-"""Memory-mapped token files: exact contents, sidecar checks, and the unigram-entropy reference."""
+"""Memory-mapped token files: exact contents, sidecar checks, and the unigram and bigram references."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from hybridnorm.data import (
     ByteTokenizer,
+    bigram_entropy,
     open_tokens,
     read_meta,
     tokenize_to_memmap,
@@ -76,3 +78,47 @@ def test_unigram_entropy_by_hand():
     assert unigram_entropy(train, val, vocab_size=4) == pytest.approx(expected, rel=1e-12)
     uniform = unigram_entropy(np.zeros(0, dtype=np.uint16), val, vocab_size=4)
     assert uniform == pytest.approx(math.log(4))
+
+
+def _kneser_ney_by_hand(train: list[int], val: list[int], V: int, D: float = 0.75) -> tuple[float, list[float]]:
+    """The interpolated Kneser-Ney bigram of ``bigram_entropy``'s docstring, with dicts and loops: its
+    cross-entropy on ``val`` and, for every history, the sum of P(w | h) over the vocabulary."""
+    pair: dict[tuple[int, int], int] = {}
+    for h, w in itertools.pairwise(train):
+        pair[h, w] = pair.get((h, w), 0) + 1
+    c_h = {h: sum(k for (a, _), k in pair.items() if a == h) for h in range(V)}
+    n_h = {h: sum(1 for (a, _) in pair if a == h) for h in range(V)}
+    before = {w: sum(1 for (_, b) in pair if b == w) for w in range(V)}
+    total = sum(before.values())
+
+    def p(h: int, w: int) -> float:
+        cont = (before[w] + 1) / (total + V)
+        if c_h[h] == 0:
+            return cont
+        return max(pair.get((h, w), 0) - D, 0) / c_h[h] + D * n_h[h] / c_h[h] * cont
+
+    loss = -sum(math.log(p(h, w)) for h, w in itertools.pairwise(val)) / (len(val) - 1)
+    return loss, [sum(p(h, w) for w in range(V)) for h in range(V)]
+
+
+@pytest.mark.parametrize("V,seed", [(2, 0), (7, 1), (31, 2)])
+def test_bigram_entropy_against_the_equation_by_hand(V: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    train = rng.integers(0, max(V - 2, 1), 400)  # the top ids never occur in training: unseen histories/tokens
+    val = rng.integers(0, V, 90)
+    want, sums = _kneser_ney_by_hand(train.tolist(), val.tolist(), V)
+    assert sums == pytest.approx([1.0] * V, abs=1e-12)  # a distribution for every history
+    assert bigram_entropy(train.astype(np.uint16), val.astype(np.uint16), V) == pytest.approx(want, rel=1e-12)
+
+
+def test_bigram_entropy_edges_and_its_reach(monkeypatch) -> None:
+    val = np.array([0, 1, 0, 1, 0, 1], dtype=np.uint16)
+    assert math.isnan(bigram_entropy(val, val[:1], 2))  # no pair to predict
+    assert bigram_entropy(np.zeros(0, dtype=np.uint16), val, 4) == pytest.approx(math.log(4))  # nothing counted
+    # an alternating sequence is all but certain after one token of context; the unigram sees a coin
+    assert bigram_entropy(np.tile(val, 50), val, 2) < 0.05 < math.log(2) - 0.01 < unigram_entropy(val, val, 2)
+    import hybridnorm.data.tokens as tokens
+
+    monkeypatch.setattr(tokens, "BIGRAM_FIT_TOKENS", 3)  # counted on the first three tokens only
+    assert bigram_entropy(np.array([0, 1, 0, 0, 0, 0, 0], dtype=np.uint16), val, 2) == pytest.approx(
+        _kneser_ney_by_hand([0, 1, 0], val.tolist(), 2)[0], rel=1e-12)

@@ -10,7 +10,7 @@ from hybridnorm.experiments.runs import read_run
 
 
 def _run(root, placement, seed, val, *, lr=1e-3, init="megatron", extra=None, code=None, hardware=None,
-         diverged=False):
+         diverged=False, bigram=None):
     """A finished run folder written by hand; unigram baseline 6.0, so val < 5.9 is `trained`."""
     run = root / "runs" / f"{placement}-{init}-lr{lr}-s{seed}"
     run.mkdir(parents=True)
@@ -19,7 +19,8 @@ def _run(root, placement, seed, val, *, lr=1e-3, init="megatron", extra=None, co
         "config": {"max_steps": 10, "model": {"n_layers": 3, "init": init}, "optim": {"lr": lr},
                    **(extra or {})}}))
     meta = {"kind": "meta", "step": 0, "init": init, "unigram_entropy": 6.0,
-            **({"code": code} if code else {}), **({"hardware": hardware} if hardware else {})}
+            **({"code": code} if code else {}), **({"hardware": hardware} if hardware else {}),
+            **({"bigram_entropy": bigram} if bigram is not None else {})}
     diag = {"kind": "diag", "step": 1, **{f"grad_norm/blocks.{i}": 1.0 + i for i in range(3)}}
     recs = [meta, diag, {"kind": "train", "step": 10, "loss": val, "tokens": 100},
             {"kind": "eval", "step": 10, "val_loss": val, "val_tokens": 100}]
@@ -45,6 +46,19 @@ def test_one_seed_three_placements_differ_in_placement_only(tmp_path):
 def test_a_sweep_names_the_placement_and_the_swept_field(tmp_path):
     runs = [_run(tmp_path, p, 0, 5.0, lr=lr) for p in ("pre", "post") for lr in (1e-3, 1e-2)]
     assert _differs(tmp_path, runs)[0] == ["placement", "optim.lr"]
+
+
+def test_the_bigram_reference_is_stated_only_where_every_run_records_the_same_one(tmp_path):
+    def setup(folder, bigrams):
+        runs = [_run(tmp_path / folder, p, 0, 5.0, bigram=b) for p, b in zip(("pre", "post"), bigrams, strict=True)]
+        return next(x for x in write_report(runs, tmp_path / folder).read_text().splitlines()
+                    if x.startswith("Setup shared by every run"))
+
+    assert setup("same", [4.5, 4.5]).endswith(
+        "unigram baseline 6.000 nats; bigram reference (Kneser-Ney, counted on the training split) 4.500 nats.")
+    for folder, bigrams in (("older", [None, None]), ("mixed", [4.5, None]), ("apart", [4.5, 4.6])):
+        line = setup(folder, bigrams)
+        assert line.endswith("unigram baseline 6.000 nats.") and "bigram" not in line, folder
 
 
 def test_seed_init_code_and_hardware_are_named_only_when_they_differ(tmp_path):

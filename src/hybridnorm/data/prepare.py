@@ -29,7 +29,7 @@ from hybridnorm.data.tokenizer import (
     load_tokenizer,
     resolve_cache_dir,
 )
-from hybridnorm.data.tokens import open_tokens, tokenize_to_memmap, unigram_entropy
+from hybridnorm.data.tokens import bigram_entropy, open_tokens, tokenize_to_memmap, unigram_entropy
 from hybridnorm.errors import ConfigError
 
 FORMAT = "hybridnorm-prepared"
@@ -46,6 +46,7 @@ class DataStats:
     val_tokens: int
     unigram_entropy: float  # nats/token of val under the Laplace-smoothed train unigram distribution
     build_seconds: dict[str, float] = field(default_factory=dict)  # of the cold build; {} if unknown
+    bigram_entropy: float | None = None  # ... under the Kneser-Ney train bigram (tokens.bigram_entropy)
 
     @property
     def chars_per_token(self) -> float:
@@ -119,6 +120,8 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
     with file_lock(folder):
         ready = _load_ready(folder, source)
         if ready is not None:
+            if ready.stats.bigram_entropy is None:  # a cache from before the bigram reference: added once
+                _add_bigram(ready)
             return ready
         times: dict[str, float] = {}
         t = time.perf_counter()
@@ -141,6 +144,8 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
         t = time.perf_counter()
         prepared.stats.unigram_entropy = unigram_entropy(prepared.train_tokens(), prepared.val_tokens(),
                                                          tok.vocab_size)
+        prepared.stats.bigram_entropy = bigram_entropy(prepared.train_tokens(), prepared.val_tokens(),
+                                                       tok.vocab_size)
         times["entropy"] = time.perf_counter() - t
         times["total"] = time.perf_counter() - t0
         prepared.stats.build_seconds = {k: round(v, 3) for k, v in times.items()}
@@ -149,6 +154,19 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
                 "vocab_size": tok.vocab_size, "corpus_meta": corpus.meta, "stats": asdict(prepared.stats)}
         atomic_write(folder / "meta.json", json.dumps(meta, indent=1))
         return prepared
+
+
+def _add_bigram(prepared: PreparedData) -> None:
+    """Compute the bigram reference of a cache built before it existed, and record it in its ``meta.json``
+    (kept in memory only where the cache cannot be written: a read-only one is still used as it is)."""
+    prepared.stats.bigram_entropy = bigram_entropy(prepared.train_tokens(), prepared.val_tokens(),
+                                                   prepared.tokenizer.vocab_size)
+    try:
+        meta = plain_data.loads((prepared.dir / "meta.json").read_bytes())
+        meta["stats"] = asdict(prepared.stats)
+        atomic_write(prepared.dir / "meta.json", json.dumps(meta, indent=1))
+    except (OSError, ValueError):
+        pass
 
 
 def _load_ready(folder: Path, source: str) -> PreparedData | None:

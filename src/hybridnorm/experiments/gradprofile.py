@@ -75,7 +75,7 @@ def profile(size: str, placement: str, init: str, seed: int, batch_size: int, se
     cfg = config_of(size, placement, init, seed, batch_size, seq_len, overrides)
     source = cfg.data.source
     data = prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
-                        cache_dir=cfg.data.cache_dir)
+                        cache_dir=cfg.data.cache_dir, text_field=cfg.data.text_field)
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.tokenizer.vocab_size))
     tokens = torch.from_numpy(np.array(data.train_tokens(), dtype=np.int64))  # a copy: the cache is read-only
     gen = torch.Generator().manual_seed(seed)

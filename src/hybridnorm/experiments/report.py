@@ -29,6 +29,15 @@ from hybridnorm.train.provenance import describe_hardware
 BOOKKEEPING = {"out_dir", "seed", "model.placement", "data.cache_dir"}
 
 
+def _bigram_note(done: list[RunRecord]) -> str:
+    """The Kneser-Ney bigram reference of the runs' data, where their meta records have it (runs trained
+    before 2026-11-28 do not) and all agree: a one-token-context model, for scale (no verdict uses it)."""
+    values = {r.meta.get("bigram_entropy") for r in done}
+    if len(values) != 1 or not isinstance(b := values.pop(), (int, float)) or not math.isfinite(b):
+        return ""
+    return f"; bigram reference (Kneser-Ney, counted on the training split) {b:.3f} nats"
+
+
 def _short_warmup(config: dict[str, Any]) -> str:
     """`` (the whole run: lr peaks at X)`` when the warmup is longer than the run, else ``""``: the lr in
     the setup line is then never reached, and a reader comparing with another report should know."""
@@ -198,7 +207,7 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
                   f"warmup {o.get('warmup_steps')} steps{_short_warmup(c)}, clip {o.get('grad_clip')}, "
                   f"wd {o.get('weight_decay')}; {c.get('precision')}; data {c.get('data', {}).get('source')}; "
                   f"validation on {r0['val_tokens'] or 0:,} tokens; unigram baseline "
-                  f"{(r0['unigram_entropy'] or math.nan):.3f} nats.", ""]
+                  f"{(r0['unigram_entropy'] or math.nan):.3f} nats{_bigram_note(done)}.", ""]
         varying, partly = fields["varying"], fields["partly_recorded"]
         lines += ["**What differs between runs:** " + (", ".join(f"`{f}`" for f in fields["differs"])
                                                        or "nothing (one configuration, one seed)")

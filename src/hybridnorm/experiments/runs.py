@@ -243,6 +243,7 @@ def _is_hardware(x: Any) -> bool:  # provenance.hardware(): strings (or None) an
 # the meta record's fields that the readers use, and what each must be (the trainer's _log_header writes them)
 _META_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: isinstance(x, str),
                 "precision": lambda x: isinstance(x, str), "params": _is_number, "unigram_entropy": _is_number,
+                "bigram_entropy": lambda x: x is None or _is_number(x),
                 "train_tokens_available": _is_number, "val_tokens_available": _is_number, "code": _is_code,
                 "hardware": _is_hardware}
 

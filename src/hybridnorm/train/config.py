@@ -34,6 +34,7 @@ class DataConfig(Config):
     tokenizer: str = "bpe"         # bpe | bytes | path to a tokenizer.json
     vocab_size: int = bounded(8192, ge=MIN_BPE_VOCAB)  # for bpe
     cache_dir: str | None = None   # None: $HYBRIDNORM_CACHE or ~/.cache/hybridnorm
+    text_field: str = "text"       # a .jsonl record's field / a .parquet column / an hf: dataset's column
     stop_tokens: tuple[str, ...] = ()  # tokens besides the tokenizer's end-of-text token at which generation
                                    # ends (an imported chat model's <|eot_id|> / <|im_end|>: its folder's other
                                    # eos ids); vocabulary entries of the tokenizer. Training does not use them
@@ -41,6 +42,9 @@ class DataConfig(Config):
     def check(self) -> None:
         if not self.source.strip():
             raise ConfigError("data.source='' must name a corpus: kjv, kjv-bigval, a local file/folder or hf:<name>")
+        if not self.text_field.strip():
+            raise ConfigError("data.text_field='' must name the field of a .jsonl record / the column of a .parquet "
+                              "file or hf: dataset that holds the text (default: text)")
         if self.cache_dir is not None and not self.cache_dir.strip():  # "" would be the current folder
             raise ConfigError("data.cache_dir='' is empty: leave it out ($HYBRIDNORM_CACHE, else "
                               "~/.cache/hybridnorm) or name a folder")

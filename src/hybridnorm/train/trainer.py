@@ -83,13 +83,14 @@ class TrainResult:
     unigram_entropy: float | None
     interrupted: bool = False
     diverged: bool = False
+    bigram_entropy: float | None = None
 
 
 def _prepare_data(cfg: TrainConfig, d: Dist) -> PreparedData:
     """Rank 0 tokenizes into the shared cache while the others wait; then every rank maps the files."""
     def prepare() -> PreparedData:
         return prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
-                            cache_dir=cfg.data.cache_dir)
+                            cache_dir=cfg.data.cache_dir, text_field=cfg.data.text_field)
 
     data = prepare() if d.is_main else None
     barrier(d)
@@ -101,13 +102,14 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
                 peak_source: str) -> None:
     log.message(f"model: {cfg.model.resolved_placement().name}, {model.num_params() / 1e6:.2f}M params, "
                 f"vocab {cfg.model.vocab_size}; data: {cfg.data.source} ({train_n:,} train / {val_n:,} val tokens); "
-                f"unigram entropy {data.stats.unigram_entropy:.3f} nats" + (f"; resumed from {ckpt}" if ckpt else ""))
+                f"unigram entropy {data.stats.unigram_entropy:.3f} nats, bigram {data.stats.bigram_entropy:.3f} nats"
+                + (f"; resumed from {ckpt}" if ckpt else ""))
     log.message(f"MFU against {peak / 1e12:,.3g} TFLOP/s ({peak_source})")
     # what a reader of metrics.jsonl needs to judge the run without the data: the baseline a model that
-    # ignores context reaches (the unigram cross-entropy of val) and what was actually built
+    # ignores context reaches (the unigram cross-entropy of val), a bigram's, and what was actually built
     log.log(step, {"placement": cfg.model.resolved_placement().name, "init": cfg.model.resolved_init(),
-                   "precision": cfg.precision,
-                   "params": model.num_params(), "unigram_entropy": data.stats.unigram_entropy,
+                   "precision": cfg.precision, "params": model.num_params(),
+                   "unigram_entropy": data.stats.unigram_entropy, "bigram_entropy": data.stats.bigram_entropy,
                    "train_tokens_available": train_n, "val_tokens_available": val_n,
                    "code": code_versions(), "hardware": ran_on,
                    "matmul_peak_flops": peak, "mfu_peak_source": peak_source},
@@ -314,7 +316,8 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
             result.train_loss = rec.loss
         return False
 
-    result = TrainResult(run_dir, state.step, float("nan"), None, data.stats.unigram_entropy)
+    result = TrainResult(run_dir, state.step, float("nan"), None, data.stats.unigram_entropy,
+                         bigram_entropy=data.stats.bigram_entropy)
     t_start, tick, last_step, first_step = time.perf_counter(), time.perf_counter(), state.step, state.step
     model.train()
     with StopFlag() as stop:
