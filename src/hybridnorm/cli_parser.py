@@ -97,6 +97,9 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
                    help="zero-shot multiple choice on HellaSwag-style JSONL (context, endings, label): acc, acc_norm")
     e.add_argument("--text", metavar="FILE",
                    help="perplexity, bits per byte and word perplexity of a .txt/.jsonl file, a folder, or 'kjv'")
+    e.add_argument("--text-field", metavar="NAME",
+                   help="the text's field in a .jsonl record / column of a .parquet file, for --text and --data "
+                        "(default: text; for --data, the run's data.text_field)")
     e.add_argument("--tasks", help="comma-separated lm-eval tasks (the shipped kjv_mc is always found); "
                                    "needs pip install 'hybridnorm[eval]'")
     e.add_argument("--include-path", metavar="DIR", help="folder of extra lm-eval task YAML files")

@@ -39,7 +39,7 @@ def load_run(path: str | Path) -> Run:
 
 @torch.no_grad()
 def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = None, seq_len: int | None = None,
-                 max_batches: int | None = None) -> tuple[float, int]:
+                 max_batches: int | None = None, text_field: str | None = None) -> tuple[float, int]:
     """Mean next-token loss of ``run`` on the validation split of ``source`` (default: the run's own),
     tokenized with the run's tokenizer. Returns (loss, tokens scored). By default the windows are those
     the run's training validated on (``TrainConfig.eval_windows``, in batches of the run's ``batch_size``), so
@@ -49,7 +49,7 @@ def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = N
     batch_size = batch_size or run.config.batch_size
     windows = max_batches * batch_size if max_batches is not None else run.config.eval_windows
     data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
-                        cache_dir=run.config.data.cache_dir, text_field=run.config.data.text_field)
+                        cache_dir=run.config.data.cache_dir, text_field=text_field or run.config.data.text_field)
     data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
     val = data.val_tokens()
     if len(val) < seq_len + 1:

@@ -116,7 +116,7 @@ def test_hf_source_on_a_local_file(tmp_path):
     assert sorted(c.train + c.val) == sorted(DOCS[:40])
     assert c.val == load_corpus(str(f), val_fraction=0.1).val  # same hash split as the direct reader
     assert len(load_corpus(f"hf:{f}", max_docs=7, cache_dir=tmp_path / "cache").train) <= 7
-    with pytest.raises(ConfigError, match=r"no column data\.text_field='body'"):
+    with pytest.raises(ConfigError, match=r"no column 'body' \(columns: 'text', 'id'\): name the text's field with"):
         load_corpus(f"hf:{f}", text_field="body", cache_dir=tmp_path / "cache")
 
 
@@ -124,8 +124,8 @@ def test_hf_source_on_a_local_file(tmp_path):
     ("missing.txt", None, r"missing\.txt does not exist"),
     ("empty.txt", "  \n\n", r"empty\.txt.*the corpus is empty"),
     ("latin1.txt", "caf\xe9 au lait".encode("latin-1"), r"latin1\.txt is not UTF-8 text \(byte 3"),
-    ("nofield.jsonl", '{"body": "x"}\n', r"nofield\.jsonl:1: no string field "
-                                         r"data\.text_field='text' \(missing; its fields: 'body'\)"),
+    ("nofield.jsonl", '{"body": "x"}\n', r"nofield\.jsonl:1: no string field 'text' \(missing; its fields: "
+                                         r"'body'\): name the text's field with train's --data\.text_field"),
     ("badjson.jsonl", '{"text": "ok"}\n{"text": \n', r"badjson\.jsonl:2: not valid JSON"),
     ("table.csv", "a,b\n", r"table\.csv: unsupported suffix '\.csv'; use one of \.txt, \.jsonl, \.parquet"),
 ])
@@ -147,21 +147,35 @@ def test_bad_arguments(tmp_path):
 
 
 def test_the_field_an_error_names_is_a_config_field_the_commands_follow(tmp_path, no_peak_measure):
-    """A .jsonl whose text is under another key: `train` says `data.text_field='text'` is missing and lists
-    the record's fields; `--data.text_field=content` trains on it, and `eval` of the run reads the same
-    field again (its validation loss is the one training logged). An empty field is refused by name."""
+    """A .jsonl whose text is under another key: `train` says the field 'text' is missing, lists the record's
+    fields and names the option; `--data.text_field=content` trains on it, and `eval` of the run reads the
+    same field again (its validation loss is the one training logged). `eval --text` / `--data` of files
+    keyed otherwise take `--text-field`. An empty field, or `--text-field` with nothing to read, is refused."""
     from train_helpers import cli_in_process, read_metrics, tiny_overrides  # tests/
+
+    def one_error(*args: str) -> str:
+        err = cli_in_process(*args, ok=False).stderr.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:"), err
+        return err[0]
 
     source = tmp_path / "c.jsonl"
     source.write_text("".join(json.dumps({"content": f"{d} {d}", "id": i}) + "\n" for i, d in enumerate(DOCS)))
     out = tmp_path / "run"
     args = [*tiny_overrides(source, tmp_path / "cache", out), "--max_steps=2", "--eval_interval=2"]
-    err = cli_in_process("train", *args, ok=False).stderr.strip().splitlines()
-    assert len(err) == 1 and "no string field data.text_field='text' (missing; its fields: 'content', 'id')" \
-        in err[0], err
-    empty = cli_in_process("train", *args, "--data.text_field=", ok=False).stderr.strip().splitlines()
-    assert len(empty) == 1 and "data.text_field='' must name the field" in empty[0], empty
+    assert ("no string field 'text' (missing; its fields: 'content', 'id'): name the text's field with train's "
+            "--data.text_field or eval's --text-field") in one_error("train", *args)
+    assert "data.text_field='' must name the field" in one_error("train", *args, "--data.text_field=")
     cli_in_process("train", *args, "--data.text_field=content")
     logged = read_metrics(out, "eval")[-1]["val_loss"]
-    evaluated = cli_in_process("eval", str(out)).stdout
-    assert f"{logged:.4f}" in evaluated, (logged, evaluated)
+    assert f"val loss {logged:.4f}" in cli_in_process("eval", str(out)).stdout
+
+    assert "no string field 'text'" in one_error("eval", str(out), "--text", str(source))
+    text = cli_in_process("eval", str(out), "--text", str(source), "--text-field", "content").stdout
+    assert f"{len(DOCS):,} documents" in text, text
+    other = tmp_path / "b.jsonl"
+    other.write_text(source.read_text().replace('"content"', '"body"'))
+    # the same documents under another key: the same validation split, the same loss
+    keyed_body = cli_in_process("eval", str(out), "--data", str(other), "--text-field", "body").stdout
+    assert f"val loss {logged:.4f}" in keyed_body, keyed_body
+    assert "--text-field names the text of --text's or --data's records" in one_error(
+        "eval", str(out), "--text-field", "content")

@@ -225,6 +225,9 @@ def jsonl_records(path: Path, what: str = "data file") -> Iterator[tuple[int, di
         yield i, rec
 
 
+# where a user names the field that holds the text (the error for a missing one says so)
+TEXT_FIELD_OPTIONS = "name the text's field with train's --data.text_field or eval's --text-field"
+
 def _read_file(path: Path, text_field: str) -> Iterable[str]:
     if path.suffix == ".txt":
         return [read_text(path)]
@@ -233,8 +236,8 @@ def _read_file(path: Path, text_field: str) -> Iterable[str]:
         for i, rec in jsonl_records(path):
             if not isinstance(rec.get(text_field), str):
                 got = "missing" if text_field not in rec else f"a {type(rec[text_field]).__name__}"
-                raise ConfigError(f"{path}:{i}: no string field data.text_field={text_field!r} "
-                                  f"({got}; its fields: {', '.join(map(repr, rec)) or 'none'})")
+                raise ConfigError(f"{path}:{i}: no string field {text_field!r} ({got}; its fields: "
+                                  f"{', '.join(map(repr, rec)) or 'none'}): {TEXT_FIELD_OPTIONS}")
             docs.append(rec[text_field])
         return docs
     return _read_parquet(path, text_field)
@@ -252,8 +255,8 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
     except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
         raise ConfigError(f"cannot read parquet file {path}: {e}") from None
     if text_field not in names:
-        raise ConfigError(f"{path}: no column data.text_field={text_field!r}; columns: "
-                          f"{', '.join(map(repr, names))}")
+        raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(map(repr, names))}): "
+                          f"{TEXT_FIELD_OPTIONS}")
     if column and not all(v is None or isinstance(v, str) for v in column):
         raise ConfigError(f"{path}: column {text_field!r} must hold strings")
     return [v for v in column if v is not None]
@@ -282,8 +285,8 @@ def _hf_documents(spec: str, text_field: str, max_docs: int | None,
     try:
         ds = datasets.load_dataset(*args, **kwargs)
         if text_field not in (ds.column_names or [text_field]):
-            raise ConfigError(f"data.source='hf:{spec}' has no column data.text_field={text_field!r}; "
-                              f"columns: {', '.join(map(repr, ds.column_names))}")
+            raise ConfigError(f"data.source='hf:{spec}' has no column {text_field!r} (columns: "
+                              f"{', '.join(map(repr, ds.column_names))}): {TEXT_FIELD_OPTIONS}")
         docs = []
         for rec in ds:
             if max_docs is not None and len(docs) >= max_docs:

@@ -32,6 +32,7 @@ class EvalRequest(Config):
     seq_len: int | None = bounded(None, ge=1)
     mc: str | None = None              # HellaSwag-style JSONL
     text: str | None = None            # .txt/.jsonl file, folder, or 'kjv'
+    text_field: str | None = None      # of --text's / --data's .jsonl records or parquet columns
     tasks: str | None = None           # comma-separated lm-eval tasks
     include_path: str | None = None
     limit: int | None = bounded(None, ge=1)
@@ -61,6 +62,8 @@ class EvalRequest(Config):
             if given and not self.apply_chat_template:
                 raise ConfigError(f"{flag} needs --apply-chat-template (chat turns and their template's variables)")
         chat_templates.template_args(self.chat_template_args, "--chat-template-args")  # before the run loads
+        if self.text_field is not None and not (self.text or self.data):
+            raise ConfigError("--text-field names the text of --text's or --data's records: give one of them")
         if not (self.mc or self.text or self.tasks) and self.limit is not None:
             raise ConfigError("--limit only applies to --mc and --tasks")
         if self.tasks is not None and not task_names(self.tasks):
@@ -109,7 +112,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     if req.text:
         from hybridnorm.eval.perplexity import perplexity_of_run
 
-        ppl = perplexity_of_run(run, req.text, batch_size=scoring_batch)
+        ppl = perplexity_of_run(run, req.text, batch_size=scoring_batch, text_field=req.text_field or "text")
         rows += perplexity_rows(ppl, f"text:{Path(req.text).name}")
         notes.append(f"text: {ppl.n_docs:,} documents, {ppl.n_tokens:,} tokens, {ppl.n_bytes:,} bytes, "
                      f"{ppl.n_words:,} words")
@@ -148,7 +151,7 @@ def _prompt_note(config: dict[str, Any]) -> str:
 
 def _validation_loss(run: Run, req: EvalRequest) -> dict[str, Any]:
     loss, n_tokens = evaluate_run(run, req.data, batch_size=req.batch_size, seq_len=req.seq_len,
-                                  max_batches=req.batches)
+                                  max_batches=req.batches, text_field=req.text_field)
     source = req.data or run.config.data.source
     print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
           f"of {source}")
