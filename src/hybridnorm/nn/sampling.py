@@ -22,6 +22,8 @@ from hybridnorm.errors import ConfigError
 
 @dataclass(frozen=True)
 class Sampling:
+    """How the next token is chosen; every filter off by default (plain sampling at temperature 1)."""
+
     temperature: float = 1.0         # 0 (or one that rounds to 0 in fp32): greedy
     top_k: int = 0                   # keep the k most likely tokens; 0: no limit
     top_p: float = 1.0               # keep the fewest most likely tokens whose probability reaches p; 1: no limit
