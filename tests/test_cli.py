@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hybridnorm import cli, placements
@@ -318,11 +319,27 @@ def test_eval_by_default_scores_what_training_validated_on(work, tmp_path, capsy
     logged = read_metrics(out, "eval")[-1]
     assert logged["step"] == 2 and logged["val_tokens"] == 3 * 6 * 32  # 3 global batches of 6 windows
     capsys.readouterr()
+    # the references printed beside it are taken on the same targets: those of the loader's windows
+    from hybridnorm.data import bigram_entropy, unigram_entropy, val_batches
+    from hybridnorm.loading import load_run, validation_data
+
+    data = validation_data(load_run(out))
+    train, val, n = data.train_tokens(), data.val_tokens(), logged["val_tokens"]
+    windows = [(x.numpy().ravel(), y.numpy().ravel()) for x, y in val_batches(val, 6, 32, 3)]
+    assert np.array_equal(np.concatenate([w[0] for w in windows]), val[:n])
+    targets = np.concatenate([w[1] for w in windows])
+    assert np.array_equal(targets, val[1:n + 1]) and n + 1 < len(val)  # a prefix of the split
+    refs = (f"on those tokens a unigram model scores {unigram_entropy(train, targets, data.vocab_size):.4f}, "
+            f"a Kneser-Ney bigram {bigram_entropy(train, val[:n + 1], data.vocab_size):.4f}")
     for extra in ([], ["--batch-size", "4"]):  # 18 windows in batches of 4: the last one holds 2
-        assert cli.main(["eval", str(out), *extra]) == 0
-        m = re.search(r"val loss ([\d.]+), perplexity [\d.]+ over ([\d,]+) tokens", capsys.readouterr().out)
+        assert cli.main(["eval", str(out), *extra, "--output", str(tmp_path / "e.json")]) == 0
+        printed = capsys.readouterr().out
+        m = re.search(r"val loss ([\d.]+), perplexity [\d.]+ over ([\d,]+) tokens", printed)
         assert int(m[2].replace(",", "")) == logged["val_tokens"]
         assert float(m[1]) == pytest.approx(logged["val_loss"], abs=5e-5)  # printed to 4 decimals
+        assert refs in printed, printed
+        written = json.loads((tmp_path / "e.json").read_text())["val"]
+        assert f"{written['unigram_entropy']:.4f}" in refs and f"{written['bigram_entropy']:.4f}" in refs
 
 
 def test_eval_of_a_single_checkpoint_and_fallback_past_a_corrupt_one(run, tmp_path, capsys):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hybridnorm.data import prepare_data, val_batches
+from hybridnorm.data import PreparedData, prepare_data, val_batches
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import lm_loss
 from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
@@ -37,6 +37,15 @@ def load_run(path: str | Path) -> Run:
     return open_run(path)
 
 
+def validation_data(run: Run, source: str | None = None, text_field: str | None = None) -> PreparedData:
+    """``source`` (default: the run's own corpus) prepared with the run's tokenizer, as ``evaluate_run``
+    scores it (the shared token cache: preparing it again costs a lookup)."""
+    data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
+                        cache_dir=run.config.data.cache_dir, text_field=text_field or run.config.data.text_field)
+    data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
+    return data
+
+
 @torch.no_grad()
 def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = None, seq_len: int | None = None,
                  max_batches: int | None = None, text_field: str | None = None) -> tuple[float, int]:
@@ -48,10 +57,7 @@ def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = N
     seq_len = seq_len or run.config.seq_len
     batch_size = batch_size or run.config.batch_size
     windows = max_batches * batch_size if max_batches is not None else run.config.eval_windows
-    data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
-                        cache_dir=run.config.data.cache_dir, text_field=text_field or run.config.data.text_field)
-    data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
-    val = data.val_tokens()
+    val = validation_data(run, source, text_field).val_tokens()
     if len(val) < seq_len + 1:
         raise ConfigError(f"validation split of {source or run.config.data.source} has {len(val)} tokens, "
                           f"fewer than seq_len + 1 = {seq_len + 1}")

@@ -14,11 +14,18 @@ from hybridnorm.data.tokenizer import (
                                        resolve_cache_dir,
                                        train_bpe,
 )
-from hybridnorm.data.tokens import bigram_entropy, open_tokens, read_meta, tokenize_to_memmap, unigram_entropy
+from hybridnorm.data.tokens import (
+    bigram_entropy,
+    open_tokens,
+    read_meta,
+    scored_references,
+    tokenize_to_memmap,
+    unigram_entropy,
+)
 
 __all__ = [
     "EOT", "KJV_VAL_BOOKS", "BPETokenizer", "ByteTokenizer", "Corpus", "DataStats", "PreparedData",
     "TokenBatches", "Tokenizer", "bigram_entropy", "get_tokenizer", "kjv_path", "load_corpus", "load_tokenizer",
-    "open_tokens", "prepare_data", "read_meta", "resolve_cache_dir", "source_fingerprint",
+    "open_tokens", "prepare_data", "read_meta", "resolve_cache_dir", "scored_references", "source_fingerprint",
     "tokenize_to_memmap", "train_bpe", "unigram_entropy", "val_batches",
 ]

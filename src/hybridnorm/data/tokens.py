@@ -143,3 +143,11 @@ def bigram_entropy(train: np.ndarray, val: np.ndarray, vocab_size: int,
     seen, ch = c_h[h] > 0, np.maximum(c_h[h], 1)
     p = np.where(seen, np.maximum(c_hw - discount, 0) / ch + discount * n_h[h] / ch * p_cont[w], p_cont[w])
     return float(-np.log(p).mean())
+
+
+def scored_references(train: np.ndarray, val: np.ndarray, tokens: int, vocab_size: int) -> tuple[float, float]:
+    """(unigram, bigram) cross-entropies of the first ``tokens`` targets of windows laid from the start of
+    ``val`` (``data.loader.val_batches``: targets ``val[1 : tokens + 1]``, each bigram conditioned on the token
+    before it): the references on exactly the tokens a validation loss scored."""
+    return (unigram_entropy(train, val[1:tokens + 1], vocab_size),
+            bigram_entropy(train, val[:tokens + 1], vocab_size))

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from hybridnorm.config_base import Config, bounded
-from hybridnorm.data import chat_templates
+from hybridnorm.data import chat_templates, scored_references
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
-from hybridnorm.loading import Run, evaluate_run, load_run
+from hybridnorm.loading import Run, evaluate_run, load_run, validation_data
 
 SCORING_BATCH = 8  # sequences per forward of --mc / --text / --tasks unless --batch-size says otherwise
 
@@ -153,10 +153,13 @@ def _validation_loss(run: Run, req: EvalRequest) -> dict[str, Any]:
     loss, n_tokens = evaluate_run(run, req.data, batch_size=req.batch_size, seq_len=req.seq_len,
                                   max_batches=req.batches, text_field=req.text_field)
     source = req.data or run.config.data.source
+    data = validation_data(run, req.data, req.text_field)  # what evaluate_run scored: for scale, counts alone
+    unigram, bigram = scored_references(data.train_tokens(), data.val_tokens(), n_tokens, data.tokenizer.vocab_size)
     print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
-          f"of {source}")
+          f"of {source}; on those tokens a unigram model scores {unigram:.4f}, a Kneser-Ney bigram {bigram:.4f}")
     out = {"checkpoint": str(run.checkpoint),
-           "val": {"source": source, "loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens}}
+           "val": {"source": source, "loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens,
+                   "unigram_entropy": unigram, "bigram_entropy": bigram}}
     if req.output:
         write_json(req.output, out)
     return out

@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridnorm.data import bigram_entropy, prepare_data, unigram_entropy
+from hybridnorm.data import prepare_data, scored_references
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.runs import read_point, read_report
 from hybridnorm.train.config import TrainConfig
@@ -43,9 +43,8 @@ def scored_reference(config: TrainConfig) -> ScoredReference:
                         text_field=d.text_field)  # as the trainer prepares it
     train, val = data.train_tokens(), data.val_tokens()
     windows = min(config.eval_windows, (len(val) - 1) // config.seq_len)
-    end = windows * config.seq_len + 1               # inputs val[0 : end-1], targets val[1 : end]
-    V = data.tokenizer.vocab_size
-    return ScoredReference(end - 1, unigram_entropy(train, val[1:end], V), bigram_entropy(train, val[:end], V))
+    tokens = windows * config.seq_len
+    return ScoredReference(tokens, *scored_references(train, val, tokens, data.tokenizer.vocab_size))
 
 
 def study_references(study: Path) -> list[dict]:
