@@ -59,7 +59,9 @@ def study_references(study: Path) -> list[dict]:
     for (placement, init, knobs), recs in groups.items():
         config = TrainConfig.from_dict(read_point(study / recs[0]["run"] / "point.json")["config"])
         key = repr((config.data.to_dict(), config.seq_len, config.eval_windows))
-        ref = cache.setdefault(key, scored_reference(config))
+        if key not in cache:  # prepared and counted once per data and window setting
+            cache[key] = scored_reference(config)
+        ref = cache[key]
         rows.append({"placement": placement, "init": init, "knobs": dict(knobs), "reference": ref,
                      "runs": [(r["seed"], r["verdict"], r["final_val_loss"]) for r in recs]})
     return rows
