@@ -47,10 +47,10 @@ WRAPPER = textwrap.dedent('''
     import hybridnorm.train.checkpoint.save as checkpoint
     import hybridnorm.train.checkpoint.lock as lock
     import hybridnorm.train.logger as logger
-    import hybridnorm.train.trainer as trainer
+    from hybridnorm.train.config import DataConfig
 
     for owner, attr, name in ((checkpoint, "save_file", "save"), (logger.MetricsLogger, "close", "exit"),
-                              (trainer, "prepare_data", "prepare"), (lock.RunLock, "release", "release")):
+                              (DataConfig, "prepare", "prepare"), (lock.RunLock, "release", "release")):
         if name in points:
             setattr(owner, attr, hold(name, getattr(owner, attr)))
     sys.argv = ["hybridnorm", *sys.argv[3:]]

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from hybridnorm import plain_data
-from hybridnorm.data.prepare import prepare_data
 from hybridnorm.diagnostics.groups import group_params
 from hybridnorm.errors import ConfigError, OneLineArgumentParser
 from hybridnorm.nn.model import TransformerLM
@@ -74,8 +73,7 @@ def profile(size: str, placement: str, init: str, seed: int, batch_size: int, se
     ``overrides``: more ``--key=value`` config fields (another corpus or cache folder)."""
     cfg = config_of(size, placement, init, seed, batch_size, seq_len, overrides)
     source = cfg.data.source
-    data = prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
-                        cache_dir=cfg.data.cache_dir, text_field=cfg.data.text_field)
+    data = cfg.data.prepare()
     cfg = replace(cfg, model=replace(cfg.model, vocab_size=data.tokenizer.vocab_size))
     tokens = torch.from_numpy(np.array(data.train_tokens(), dtype=np.int64))  # a copy: the cache is read-only
     gen = torch.Generator().manual_seed(seed)

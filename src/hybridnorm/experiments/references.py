@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridnorm.data import prepare_data, scored_references
+from hybridnorm.data import scored_references
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.runs import read_point, read_report
 from hybridnorm.train.config import TrainConfig
@@ -38,9 +38,7 @@ class ScoredReference:
 def scored_reference(config: TrainConfig) -> ScoredReference:
     """The references on the validation tokens that ``config``'s evaluations score (one process's view: the
     same windows for any split of the global batch, ``TrainConfig.eval_windows``)."""
-    d = config.data
-    data = prepare_data(d.source, tokenizer=d.tokenizer, vocab_size=d.vocab_size, cache_dir=d.cache_dir,
-                        text_field=d.text_field)  # as the trainer prepares it
+    data = config.data.prepare()  # as the trainer prepares it
     train, val = data.train_tokens(), data.val_tokens()
     windows = min(config.eval_windows, (len(val) - 1) // config.seq_len)
     tokens = windows * config.seq_len

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 from hybridnorm.config import ModelConfig
 from hybridnorm.config_base import Config, bounded, check_bounds, check_fields, coerce
 from hybridnorm.config_text import read_file
+from hybridnorm.data.prepare import PreparedData, prepare_data
 from hybridnorm.data.tokenizer import MIN_BPE_VOCAB
 from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.errors import ConfigError
@@ -54,6 +55,12 @@ class DataConfig(Config):
         if self.tokenizer not in TOKENIZERS and not (self.tokenizer.strip() and Path(self.tokenizer).exists()):
             raise ConfigError(f"data.tokenizer={self.tokenizer!r} is not one of "
                               f"{', '.join(map(repr, TOKENIZERS))} nor an existing tokenizer.json")
+
+    def prepare(self) -> PreparedData:
+        """The corpus tokenized as this section says (the shared token cache): the one place every field
+        reaches ``prepare_data``, for the trainer and every tool that reads a run's or a grid point's data."""
+        return prepare_data(self.source, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                            cache_dir=self.cache_dir, text_field=self.text_field)
 
 
 def _default_model() -> ModelConfig:

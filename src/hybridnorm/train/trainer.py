@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hybridnorm.data import PreparedData, TokenBatches, prepare_data
+from hybridnorm.data import PreparedData, TokenBatches
 from hybridnorm.data.tokenizer import stop_token_ids
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
@@ -88,13 +88,9 @@ class TrainResult:
 
 def _prepare_data(cfg: TrainConfig, d: Dist) -> PreparedData:
     """Rank 0 tokenizes into the shared cache while the others wait; then every rank maps the files."""
-    def prepare() -> PreparedData:
-        return prepare_data(cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
-                            cache_dir=cfg.data.cache_dir, text_field=cfg.data.text_field)
-
-    data = prepare() if d.is_main else None
+    data = cfg.data.prepare() if d.is_main else None
     barrier(d)
-    return data if data is not None else prepare()
+    return data if data is not None else cfg.data.prepare()
 
 
 def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data: PreparedData, step: int,
