@@ -38,28 +38,34 @@ def load_run(path: str | Path) -> Run:
 
 
 def validation_data(run: Run, source: str | None = None, text_field: str | None = None) -> PreparedData:
-    """``source`` (default: the run's own corpus) prepared with the run's tokenizer, as ``evaluate_run``
-    scores it (the shared token cache: preparing it again costs a lookup)."""
+    """``source`` (default: the run's own corpus) prepared with the run's tokenizer (the shared token
+    cache), checked against the model's vocabulary: what :func:`evaluate_on` scores."""
     data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
                         cache_dir=run.config.data.cache_dir, text_field=text_field or run.config.data.text_field)
     data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
     return data
 
 
-@torch.no_grad()
 def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = None, seq_len: int | None = None,
                  max_batches: int | None = None, text_field: str | None = None) -> tuple[float, int]:
     """Mean next-token loss of ``run`` on the validation split of ``source`` (default: the run's own),
-    tokenized with the run's tokenizer. Returns (loss, tokens scored). By default the windows are those
-    the run's training validated on (``TrainConfig.eval_windows``, in batches of the run's ``batch_size``), so
-    the loss is the one its log shows for that checkpoint; ``max_batches`` scores that many batches of
-    ``batch_size`` instead."""
+    tokenized with the run's tokenizer: :func:`evaluate_on` of :func:`validation_data`."""
+    return evaluate_on(run, validation_data(run, source, text_field), batch_size, seq_len, max_batches)
+
+
+@torch.no_grad()
+def evaluate_on(run: Run, data: PreparedData, batch_size: int | None = None, seq_len: int | None = None,
+                max_batches: int | None = None) -> tuple[float, int]:
+    """Mean next-token loss of ``run`` on the validation split of ``data``. Returns (loss, tokens scored).
+    By default the windows are those the run's training validated on (``TrainConfig.eval_windows``, in
+    batches of the run's ``batch_size``), so the loss is the one its log shows for that checkpoint;
+    ``max_batches`` scores that many batches of ``batch_size`` instead."""
     seq_len = seq_len or run.config.seq_len
     batch_size = batch_size or run.config.batch_size
     windows = max_batches * batch_size if max_batches is not None else run.config.eval_windows
-    val = validation_data(run, source, text_field).val_tokens()
+    val = data.val_tokens()
     if len(val) < seq_len + 1:
-        raise ConfigError(f"validation split of {source or run.config.data.source} has {len(val)} tokens, "
+        raise ConfigError(f"validation split of {data.source} has {len(val)} tokens, "
                           f"fewer than seq_len + 1 = {seq_len + 1}")
     total, count = 0.0, 0
     device = next(run.model.parameters()).device  # where `eval --device` put the model

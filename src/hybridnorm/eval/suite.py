@@ -16,7 +16,7 @@ from hybridnorm.config_base import Config, bounded
 from hybridnorm.data import chat_templates, scored_references
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
-from hybridnorm.loading import Run, evaluate_run, load_run, validation_data
+from hybridnorm.loading import Run, evaluate_on, load_run, validation_data
 
 SCORING_BATCH = 8  # sequences per forward of --mc / --text / --tasks unless --batch-size says otherwise
 
@@ -150,10 +150,10 @@ def _prompt_note(config: dict[str, Any]) -> str:
 
 
 def _validation_loss(run: Run, req: EvalRequest) -> dict[str, Any]:
-    loss, n_tokens = evaluate_run(run, req.data, batch_size=req.batch_size, seq_len=req.seq_len,
-                                  max_batches=req.batches, text_field=req.text_field)
+    data = validation_data(run, req.data, req.text_field)
+    loss, n_tokens = evaluate_on(run, data, batch_size=req.batch_size, seq_len=req.seq_len, max_batches=req.batches)
     source = req.data or run.config.data.source
-    data = validation_data(run, req.data, req.text_field)  # what evaluate_run scored: for scale, counts alone
+    # for scale, what two count-based models score on exactly those tokens
     unigram, bigram = scored_references(data.train_tokens(), data.val_tokens(), n_tokens, data.tokenizer.vocab_size)
     print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
           f"of {source}; on those tokens a unigram model scores {unigram:.4f}, a Kneser-Ney bigram {bigram:.4f}")
