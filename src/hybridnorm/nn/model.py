@@ -230,9 +230,8 @@ class TransformerLM(nn.Module):
         the pad token: our exported tokenizers' pad is their end-of-text token). Arguments out of range raise
         ConfigError up front (:func:`check_generate_args`), as does a prompt + continuation longer than
         ``max_seq_len``."""
-        check_generate_args(max_new_tokens, temperature, top_k, top_p=top_p, min_p=min_p,
-                            repetition_penalty=repetition_penalty)
-        sampling = Sampling(temperature, top_k or 0, top_p, min_p, repetition_penalty)
+        sampling = check_generate_args(max_new_tokens, temperature, top_k, top_p=top_p, min_p=min_p,
+                                       repetition_penalty=repetition_penalty)
         stops = _stop_tensor(stop_ids, self.config.vocab_size, input_ids.device)
         B, T = input_ids.shape
         if T < 1 or T + max_new_tokens > self.config.max_seq_len:
@@ -276,20 +275,21 @@ def _stop_tensor(stop_ids: int | Sequence[int] | None, vocab_size: int, device: 
 
 def check_generate_args(max_new_tokens: int, temperature: float, top_k: int | None = None,
                         seed: int | None = None, *, top_p: float = 1.0, min_p: float = 0.0,
-                        repetition_penalty: float = 1.0, as_options: bool = False) -> None:
+                        repetition_penalty: float = 1.0, as_options: bool = False) -> Sampling:
     """ConfigError naming the first argument of :meth:`TransformerLM.generate` (and the seed of its
     generator) that is out of range; NaN and infinities are out of every range. ``as_options``: name them
-    as the command line spells them (``--max-new-tokens``)."""
+    as the command line spells them (``--max-new-tokens``). Returns the checked sampling settings."""
     def integer(x: object) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
     if not integer(max_new_tokens) or max_new_tokens < 0:
         name = "--max-new-tokens" if as_options else "max_new_tokens"
         raise ConfigError(f"{name}={max_new_tokens!r} must be an integer >= 0")
-    check_sampling(Sampling(temperature, 0 if top_k is None else top_k, top_p, min_p, repetition_penalty),
-                   as_options=as_options)
+    sampling = Sampling(temperature, 0 if top_k is None else top_k, top_p, min_p, repetition_penalty)
+    check_sampling(sampling, as_options=as_options)
     if seed is not None and (not integer(seed) or not 0 <= seed < 2**64):
         raise ConfigError(f"{'--seed' if as_options else 'seed'}={seed!r} must be an integer from 0 to 2**64 - 1")
+    return sampling
 
 
 def _padding_mask(attention_mask: Tensor, start: int, T: int) -> Tensor:
