@@ -14,14 +14,15 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
+from test_hf_generate import pair, prompts  # tests/hf/: tiny randomized HF model + TransformerLM twins
 from train_helpers import cli_in_process  # tests/
 
 import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
-from hybridnorm import ModelConfig, TransformerLM
-from hybridnorm.hf import HybridNormConfig, HybridNormForCausalLM
+from hybridnorm import TransformerLM
+from hybridnorm.hf import HybridNormForCausalLM
 from hybridnorm.nn.sampling import Sampling
 
-V, NEW, SEEDS = 97, 24, (0, 1, 2)
+NEW, SEEDS = 24, (0, 1, 2)
 
 # every filter alone, and together, as a user would combine them (transformers' order: the penalty on the
 # raw logits, then temperature, top-k, top-p, min-p)
@@ -39,20 +40,7 @@ SETTINGS = [
 @pytest.fixture(scope="module")
 def models() -> tuple[HybridNormForCausalLM, TransformerLM]:
     """An HF model and a TransformerLM with the same randomized weights (norm gains included)."""
-    import oracle  # tests/
-
-    mc = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=48,
-                     max_seq_len=64, placement="hybridnorm_star")
-    torch.manual_seed(0)
-    hf = HybridNormForCausalLM(HybridNormConfig.from_model_config(mc, pad_token_id=0, eos_token_id=None)).eval()
-    oracle.randomize_(hf.model, seed=0)
-    ours = TransformerLM(hf.config.model_config()).eval()
-    ours.load_state_dict(hf.model.state_dict())
-    return hf, ours
-
-
-def prompts() -> torch.Tensor:
-    return torch.randint(1, V, (2, 6), generator=torch.Generator().manual_seed(1))  # (B, T), two rows
+    return pair(n_layers=2)
 
 
 def ours_sampled(ours: TransformerLM, x: torch.Tensor, seed: int, **kw) -> torch.Tensor:
