@@ -133,16 +133,19 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from dataclasses import asdict
+
     import torch
 
     from hybridnorm.data import chat_templates
     from hybridnorm.data.tokenizer import with_start
     from hybridnorm.loading import load_run
     from hybridnorm.nn.model import check_generate_args
+    from hybridnorm.nn.sampling_defaults import COMMAND_DEFAULTS, FIELDS
 
-    sampling = dict(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, min_p=args.min_p,
-                    repetition_penalty=args.repetition_penalty)
-    check_generate_args(args.max_new_tokens, **sampling, seed=args.seed, as_options=True)  # before loading
+    written = {k: v for k in FIELDS if (v := getattr(args, k)) is not None}  # the sampling options given
+    check_generate_args(args.max_new_tokens, **{**COMMAND_DEFAULTS, **written}, seed=args.seed,
+                        as_options=True)  # before loading
     for name in ("prompt", "system"):
         if getattr(args, name) is not None and not is_utf8(getattr(args, name)):
             raise ConfigError(f"--{name}={getattr(args, name)!r} is not valid UTF-8 text: pass it as UTF-8")
@@ -151,6 +154,9 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
             raise ConfigError(f"{flag} is for a chat turn: it needs --chat")
     template_args = chat_templates.template_args(args.chat_template_args, "--chat-template-args")
     run = load_run(args.checkpoint)
+    sampling = run.generation.resolve(written)  # an HF folder's generation_config.json sets the defaults
+    if note := run.generation.note(written):
+        print(note, file=sys.stderr)
     prompt = args.prompt
     if args.chat is not None:
         from hybridnorm.hf.chat import ChatFormatter
@@ -164,7 +170,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     ids = with_start(run.tokenizer, run.tokenizer.encode(prompt))
     # ends after the end-of-text token (or an HF folder's other eos ids), as transformers' generate ends
     stops = [run.tokenizer.eot_id, *run.stop_ids]
-    out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, **sampling, generator=gen,
+    out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, **asdict(sampling), generator=gen,
                              stop_ids=None if args.ignore_eos else stops)
     if args.chat is None:
         print(run.tokenizer.decode(out[0, 1:].tolist()))

@@ -62,15 +62,19 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     g.add_argument("checkpoint")
     g.add_argument("--prompt", default="In the beginning")
     g.add_argument("--max-new-tokens", type=int, default=100)
-    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=50, help="0: sample from the whole vocabulary")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: the fewest most likely tokens whose probability reaches P (1: off)")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens less likely than MIN_P x the most likely one (0: off)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
+    # sampling: None = not given, so a folder's generation_config.json can set it (nn.sampling_defaults)
+    g.add_argument("--temperature", type=float, help="0: greedy (default 0.8, or the folder's generation_config.json)")
+    g.add_argument("--top-k", type=int, help="0: sample from the whole vocabulary (default 50, or the folder's)")
+    g.add_argument("--top-p", type=float,
+                   help="nucleus sampling: the fewest most likely tokens whose probability reaches P (1: off; the "
+                        "default, or the folder's)")
+    g.add_argument("--min-p", type=float,
+                   help="drop tokens less likely than MIN_P x the most likely one (0: off; the default, or the "
+                        "folder's)")
+    g.add_argument("--repetition-penalty", type=float,
                    help="a token already in the prompt or the reply: its logit divided by this when positive, "
-                        "multiplied when negative (1: off; greedy too). All four as transformers' generate")
+                        "multiplied when negative (1: off, the default, or the folder's; greedy too). All as "
+                        "transformers' generate, and a folder's generation_config.json sets the defaults as there")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true",
                    help="go on past the end-of-text token (default: stop after it, as transformers' generate)")

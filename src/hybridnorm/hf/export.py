@@ -234,7 +234,8 @@ def load_hf_run(path: str | Path, allow_pickle: bool = False) -> Run:
     cfg = TrainConfig(model=mc, data=DataConfig(tokenizer=str(tok_file.resolve()), stop_tokens=stop_tokens),
                       seq_len=min(TrainConfig.seq_len, mc.max_seq_len), out_dir=str(path))
     return Run(run_dir=path, checkpoint=path, config=cfg, model=model, tokenizer=tokenizer, tokenizer_file=tok_file,
-               stop_ids=stop_ids, chat_templates=chat_templates.read_hf_folder(path))
+               stop_ids=stop_ids, chat_templates=chat_templates.read_hf_folder(path),
+               generation=folder.generation_defaults(path))
 
 
 def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False) -> Path:

@@ -36,6 +36,7 @@ from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 from hybridnorm.hf import remote_code, stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
+from hybridnorm.nn.sampling_defaults import GenerationDefaults
 from hybridnorm.train import tensor_check
 from hybridnorm.train.run import adapter_hint
 
@@ -174,6 +175,19 @@ def eos_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConfigError(f"{file}: eos_token_id={value!r} must be a token id or a list of them"[:300])
     return tuple(dict.fromkeys(i for i in ids if 0 <= i < vocab_size))
+
+
+def generation_defaults(path: str | Path) -> GenerationDefaults:
+    """The sampling defaults of the folder's ``generation_config.json`` (none without the file), which
+    ``hybridnorm generate`` follows as transformers' ``generate()`` does: :mod:`hybridnorm.nn.sampling_defaults`."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return GenerationDefaults()
+    try:
+        raw = plain_data.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{file}: {plain_data.describe_error(e)}") from None
+    return GenerationDefaults.from_generation_config(raw, str(file))
 
 
 def build_config(path: str | Path, cfg: dict[str, Any]) -> Any:  # -> transformers.PretrainedConfig

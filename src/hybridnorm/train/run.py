@@ -18,6 +18,7 @@ from hybridnorm.data import Tokenizer, chat_templates, load_tokenizer
 from hybridnorm.data.tokenizer import stop_token_ids
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import TransformerLM
+from hybridnorm.nn.sampling_defaults import GenerationDefaults
 from hybridnorm.train.checkpoint import (
     CheckpointError,
     checked_own_run_file,
@@ -45,6 +46,8 @@ class Run:
     # {name: Jinja text} for transformers' apply_chat_template: an HF folder's, or the checkpoint's copy of an
     # imported run's chat_templates.json (hybridnorm.data.chat_templates); export writes them back
     chat_templates: dict[str, str] = field(default_factory=dict)
+    # an HF folder's generation_config.json sampling defaults, which `hybridnorm generate` follows (a run: none)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def write_run_files(run_dir: Path, config_yaml: str, tokenizer: Tokenizer, resumed: Path | None) -> dict[str, bytes]:

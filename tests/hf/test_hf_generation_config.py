@@ -1,0 +1,132 @@
+"""``hybridnorm generate DIR`` takes its sampling defaults from the folder's ``generation_config.json`` as
+transformers' ``generate()`` does (``hybridnorm.nn.sampling_defaults``). Oracle: transformers itself,
+``AutoModelForCausalLM.from_pretrained(DIR).generate(ids, max_new_tokens=N)`` with no sampling argument (so
+it resolves the file against its own defaults) after ``torch.manual_seed(s)``, against the command with no
+sampling option and ``--seed s``: the same text. Then options over the file, a file without ``do_sample``
+(the command's own defaults, the file's fields where set), and bad or unapplied fields."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from train_helpers import cli_in_process  # tests/
+
+import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
+
+PROMPT, NEW, SEEDS = "And God said", 30, (3, 11)
+
+
+@pytest.fixture(scope="module")
+def exported(trained_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gencfg") / "hf"
+    cli_in_process("export", str(trained_run), "--to", "hf", str(out))
+    return out
+
+
+def with_generation_config(exported: Path, tmp_path: Path, **fields) -> Path:
+    """A copy of the export whose generation_config.json also sets ``fields`` (eos and bos kept)."""
+    out = tmp_path / "hf"
+    shutil.copytree(exported, out)
+    file = out / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **fields}))
+    return out
+
+
+def transformers_text(folder: Path, seed: int, **kw) -> str:
+    """What transformers' generate() of the folder prints after ``torch.manual_seed(seed)``, decoded as
+    ``hybridnorm generate`` prints it (everything after the start token)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(tok(PROMPT, return_tensors="pt").input_ids, max_new_tokens=NEW, **kw)[0].tolist()
+    return tok.decode(out[1:]) + "\n"  # print's newline
+
+
+def command(folder: Path, seed: int, *options: str, ok: bool = True):
+    return cli_in_process("generate", str(folder), "--prompt", PROMPT, f"--max-new-tokens={NEW}", f"--seed={seed}",
+                          *options, ok=ok)
+
+
+FILES = [
+    dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.2),
+    dict(do_sample=True),                                   # transformers' defaults: T = 1, top-k 50
+    dict(do_sample=True, temperature=1.3, top_k=0, min_p=0.1),
+    dict(do_sample=True, temperature=0.9, top_k=None),      # null: unset, so transformers' 50
+    dict(do_sample=False, repetition_penalty=1.4),          # greedy with the penalty
+    dict(do_sample=False, temperature=0.6, top_p=0.5),      # greedy: the sampling fields unused
+]
+
+
+@pytest.mark.parametrize("fields", FILES, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_the_folders_defaults_are_followed_as_transformers_follows_them(exported: Path, tmp_path: Path,
+                                                                        fields: dict) -> None:
+    folder = with_generation_config(exported, tmp_path, **fields)
+    changed = False
+    for seed in SEEDS:
+        got = command(folder, seed)
+        assert got.stdout == transformers_text(folder, seed), (seed, fields)
+        assert f"decoding defaults from {folder / 'generation_config.json'}: do_sample=" in got.stderr
+        changed |= got.stdout != command(exported, seed).stdout  # the command's own defaults
+    assert changed, "the file never changed the text: the comparison would not see it ignored"
+
+
+def test_options_override_the_file_field_by_field(exported: Path, tmp_path: Path) -> None:
+    folder = with_generation_config(exported, tmp_path, do_sample=True, temperature=0.7, top_p=0.9)
+    got = command(folder, 5, "--temperature=1.2", "--top-k=0").stdout
+    assert got == transformers_text(folder, 5, temperature=1.2, top_k=0)  # top_p 0.9 still the file's
+    assert got != transformers_text(folder, 5, temperature=1.2, top_k=0, top_p=1.0)
+    # a temperature given samples even where the file says greedy (the command has no --do-sample)
+    greedy = with_generation_config(exported, tmp_path / "g", do_sample=False)
+    assert command(greedy, 5, "--temperature=0.9").stdout == transformers_text(greedy, 5, do_sample=True,
+                                                                             temperature=0.9)
+    moot = command(greedy, 5, "--top-p=0.5")
+    assert moot.stdout == transformers_text(greedy, 5)
+    assert "greedy, so --top-p has no effect without --temperature T > 0" in moot.stderr
+
+
+def test_without_do_sample_the_commands_defaults_stand_with_the_files_fields(trained_run: Path, exported: Path,
+                                                                             tmp_path: Path) -> None:
+    for seed in SEEDS:  # hybridnorm's exports write no do_sample: temperature 0.8, top-k 50, as for the run
+        plain = command(exported, seed)
+        assert plain.stdout == transformers_text(exported, seed, do_sample=True, temperature=0.8, top_k=50)
+        assert plain.stdout == command(trained_run, seed).stdout
+        assert "decoding defaults" not in plain.stderr
+    folder = with_generation_config(exported, tmp_path, temperature=0.5, top_p=0.8)
+    got = command(folder, 3)
+    assert got.stdout == transformers_text(folder, 3, do_sample=True, temperature=0.5, top_k=50, top_p=0.8)
+    assert "temperature=0.5, top_p=0.8 (options override them)" in got.stderr
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    (dict(do_sample=True, top_p=1.5), "top_p=1.5 must be a number in (0, 1] (1: no limit); --top-p overrides it"),
+    (dict(do_sample=True, temperature=-1), "temperature=-1 must be a finite number >= 0"),
+    (dict(do_sample=True, top_k=2.5), "top_k=2.5 must be an integer >= 0"),
+    (dict(repetition_penalty="1.2"), "repetition_penalty='1.2' must be a finite number > 0"),
+    (dict(do_sample="yes"), "do_sample='yes' must be true or false"),
+])
+def test_a_bad_field_is_one_error_naming_the_file(exported: Path, tmp_path: Path, fields: dict, says: str) -> None:
+    folder = with_generation_config(exported, tmp_path, **fields)
+    bad = command(folder, 0, ok=False)
+    assert bad.stdout == ""
+    lines = bad.stderr.strip().splitlines()
+    assert lines == [f"error: {folder / 'generation_config.json'}: {says}" + lines[0].split(says, 1)[1]], lines
+    if "top_p" in fields:  # the option that overrides a bad field is the way out
+        assert command(folder, 0, "--top-p=0.9").stdout
+
+
+def test_fields_the_command_does_not_apply_are_named(exported: Path, tmp_path: Path) -> None:
+    folder = with_generation_config(exported, tmp_path, do_sample=True, typical_p=0.9, num_beams=4,
+                                    no_repeat_ngram_size=0)  # 0: off, not named
+    got = command(folder, 1)
+    assert got.stdout
+    assert got.stderr.strip().endswith("not applied by this command: typical_p=0.9, num_beams=4")
