@@ -130,3 +130,38 @@ def test_fields_the_command_does_not_apply_are_named(exported: Path, tmp_path: P
     got = command(folder, 1)
     assert got.stdout
     assert got.stderr.strip().endswith("not applied by this command: typical_p=0.9, num_beams=4")
+
+
+def test_import_fine_tuning_and_export_keep_the_folders_defaults(exported: Path, tmp_path: Path, corpus: Path,
+                                                                 no_peak_measure: None) -> None:
+    """`import` keeps the fields in the run (generation_defaults.json, in every checkpoint's manifest), the
+    README's fine-tune command carries them on, and `export` writes them back into generation_config.json:
+    the exported folder then decodes, under transformers and the command alike, as the folder did."""
+    from eos_helpers import fine_tune  # tests/hf/
+
+    from hybridnorm.nn.sampling_defaults import FILE
+
+    fields = dict(do_sample=True, temperature=0.7, top_p=0.9, typical_p=0.95)
+    folder = with_generation_config(exported, tmp_path / "instruct", **fields)
+    run = tmp_path / "run"
+    cli_in_process("import", str(folder), "--out", str(run))
+    assert json.loads((run / FILE).read_text()) == fields
+    imported = command(run, 4)
+    assert imported.stdout == command(folder, 4).stdout
+    assert f"decoding defaults from {run / 'checkpoints' / 'step_000000' / FILE}: do_sample=true" in imported.stderr
+    fine_tune(run, corpus, tmp_path / "cache", "--max_steps=2", "--ckpt_interval=1")
+    for step in (1, 2):  # the first resumed checkpoint and the one after it (carried on, not re-imported)
+        assert FILE in json.loads((run / "checkpoints" / f"step_{step:06d}" / "manifest.json").read_text())
+    shutil.copytree(run / "checkpoints" / "step_000002", tmp_path / "alone")
+    out = tmp_path / "exported"
+    cli_in_process("export", str(tmp_path / "alone"), "--to", "hf", str(out))
+    written = json.loads((out / "generation_config.json").read_text())
+    assert {k: written.get(k) for k in fields} == fields
+    for seed in SEEDS:  # typical_p: transformers applies it, the command does not (it says so)
+        assert command(out, seed).stdout == transformers_text(out, seed, typical_p=1.0)
+    # a folder that chooses nothing: no file in the run, nothing more in the export's generation_config.json
+    cli_in_process("import", str(exported), "--out", str(tmp_path / "plain"))
+    assert not (tmp_path / "plain" / FILE).exists()
+    cli_in_process("export", str(tmp_path / "plain"), "--to", "hf", str(tmp_path / "plain-out"))
+    assert (json.loads((tmp_path / "plain-out" / "generation_config.json").read_text()).keys()
+            == json.loads((exported / "generation_config.json").read_text()).keys())

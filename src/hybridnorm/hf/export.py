@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
@@ -26,6 +27,7 @@ from hybridnorm.data.tokenizer import EOT, BPETokenizer, ByteTokenizer, Tokenize
 from hybridnorm.errors import ConfigError
 from hybridnorm.hf import folder, remote_code, stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
+from hybridnorm.nn import sampling_defaults
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.checkpoint import TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
@@ -89,11 +91,13 @@ def _byte_level_tokenizer():  # -> tokenizers.Tokenizer
 
 def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer | None = None,
                  arch: str = "auto", dtype: str = "float32", source: str | None = None,
-                 stop_ids: Sequence[int] = (), chats: dict[str, str] | None = None) -> ExportResult:
+                 stop_ids: Sequence[int] = (), chats: dict[str, str] | None = None,
+                 generation: dict[str, Any] | None = None) -> ExportResult:
     """Save ``model`` (and its tokenizer) as a Hugging Face folder; see the module docstring. ``stop_ids``
     (a run's ``data.stop_tokens``) join the tokenizer's end-of-text token in ``generation_config.json``'s
     ``eos_token_id``, where transformers' ``generate`` stops (config.json keeps the one eos); ``chats`` (a run's
-    chat templates) go with the tokenizer."""
+    chat templates) go with the tokenizer; ``generation`` (an imported run's decoding defaults:
+    :mod:`hybridnorm.nn.sampling_defaults`) goes into ``generation_config.json`` as it came."""
     if arch not in ARCH_CHOICES:
         raise ConfigError(f"--arch={arch!r} is not one of {', '.join(ARCH_CHOICES)}")
     if dtype not in DTYPES:
@@ -122,12 +126,13 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
             reason = f"--arch={MODEL_TYPE} asked for hybridnorm's own class ({reason})"
     hf = hf.to(DTYPES[dtype])
     cfg.dtype = DTYPES[dtype]
-    if extra := [i for i in dict.fromkeys(stop_ids) if i != eos]:
-        if eos is None:
-            raise ConfigError("export: stop_ids need the tokenizer (its end-of-text token is the first eos)")
+    if (extra := [i for i in dict.fromkeys(stop_ids) if i != eos]) and eos is None:
+        raise ConfigError("export: stop_ids need the tokenizer (its end-of-text token is the first eos)")
+    if extra or generation:
         # a GenerationConfig of its own, not one marked as derived from config.json, which transformers may
         # rebuild from config.json's single eos_token_id
-        hf.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, *extra])
+        hf.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, *extra] if extra else eos,
+                                                **(generation or {}))
     # checked writable above; a disk that fills up fails here, leaving nothing (written aside, renamed at the end)
     with staged_folder(out, "export folder") as tmp, folder.quiet_transformers():
         hf.save_pretrained(tmp)
@@ -169,7 +174,7 @@ def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype:
         check_run_fits(path, copies=2)  # the run's model, then the export class's copy of it
         run = open_run(path)
     return export_model(run.model, out_dir, run.tokenizer, arch=arch, dtype=dtype, source=str(run.checkpoint),
-                        stop_ids=run.stop_ids, chats=run.chat_templates)
+                        stop_ids=run.stop_ids, chats=run.chat_templates, generation=run.generation.kept)
 
 
 def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM, str]:
@@ -246,11 +251,14 @@ def import_hf(path: str | Path, out_dir: str | Path, allow_pickle: bool = False)
     run = load_hf_run(path, allow_pickle=allow_pickle)
     warn_training_only_fields(path, "run folder")
     cfg = run.config
-    names = ("config.yaml", *run.tokenizer.files, *((chat_templates.FILE,) if run.chat_templates else ()))
+    names = ("config.yaml", *run.tokenizer.files, *((chat_templates.FILE,) if run.chat_templates else ()),
+             *((sampling_defaults.FILE,) if run.generation.kept else ()))
     with staged_folder(out, "run folder") as tmp:  # all or nothing: no half run behind a failure
         run.tokenizer.save(tmp)
         if run.chat_templates:  # an instruct model's: `export` writes them back for apply_chat_template
             (tmp / chat_templates.FILE).write_text(chat_templates.dumps(run.chat_templates), encoding="utf-8")
+        if run.generation.kept:  # how the folder decodes by default: `generate` follows it, `export` writes it back
+            (tmp / sampling_defaults.FILE).write_text(json.dumps(run.generation.kept, indent=1), encoding="utf-8")
         cfg.data.tokenizer, cfg.out_dir = str((out / "tokenizer.json").resolve()), str(out)
         (tmp / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
         opt = build_optimizer(run.model, cfg.optim)  # the trainer's own param groups: `train --resume` fine-tunes

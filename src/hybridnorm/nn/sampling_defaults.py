@@ -40,27 +40,45 @@ NOT_APPLIED: dict[str, Any] = dict(typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff
                                    watermarking_config=None)
 
 
+# a run's copy of the fields (an imported folder's), carried from checkpoint to checkpoint and written back into
+# generation_config.json by export: so an instruct model imported, fine-tuned and exported keeps its defaults
+FILE = "generation_defaults.json"
+
+
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """The sampling defaults a model carries: none for a run, a folder's ``generation_config.json`` fields."""
+    """The decoding defaults a model carries: a folder's ``generation_config.json`` fields that choose tokens
+    (a run: those of the folder it was imported from, :data:`FILE`; else none)."""
 
-    source: str = ""                # the file they were read from ("" : none)
-    do_sample: bool | None = None   # None: the file does not say
-    fields: dict[str, Any] = field(default_factory=dict)  # the FIELDS the file sets (null: unset)
-    not_applied: tuple[str, ...] = ()  # "typical_p=0.95", ...: set in the file, not applied by the command
+    source: str = ""  # the file they were read from ("" : none)
+    kept: dict[str, Any] = field(default_factory=dict)  # do_sample, FIELDS and NOT_APPLIED as the file sets them
 
     @classmethod
     def from_generation_config(cls, raw: object, source: str) -> GenerationDefaults:
-        """From the parsed ``generation_config.json`` at ``source``; a ``do_sample`` that is not a boolean is a
-        ConfigError naming the file (the sampling fields are checked when used: an option may override one)."""
+        """From the parsed ``generation_config.json`` (or a run's :data:`FILE`) at ``source``: not an object, or
+        a ``do_sample`` that is not a boolean, is a ConfigError naming the file (the sampling fields are checked
+        when used: an option may override one). Fields set to null or to the value that turns them off are
+        not kept."""
         if not isinstance(raw, dict):
-            return cls()
+            raise ConfigError(f"{source}: expected a JSON object of generation settings, got {type(raw).__name__}")
         do_sample = raw.get("do_sample")
         if do_sample is not None and not isinstance(do_sample, bool):
             raise ConfigError(f"{source}: do_sample={do_sample!r} must be true or false")
-        fields = {k: raw[k] for k in FIELDS if raw.get(k) is not None}
-        off = [f"{k}={raw[k]!r}" for k, default in NOT_APPLIED.items() if k in raw and raw[k] not in (default, None)]
-        return cls(source, do_sample, fields, tuple(s[:80] for s in off))
+        off = {k: raw[k] for k, default in NOT_APPLIED.items() if k in raw and raw[k] not in (default, None)}
+        return cls(source, {**({"do_sample": do_sample} if do_sample is not None else {}),
+                            **{k: raw[k] for k in FIELDS if raw.get(k) is not None}, **off})
+
+    @property
+    def do_sample(self) -> bool | None:  # None: the file does not say
+        return self.kept.get("do_sample")
+
+    @property
+    def fields(self) -> dict[str, Any]:  # the FIELDS the file sets
+        return {k: v for k, v in self.kept.items() if k in FIELDS}
+
+    @property
+    def not_applied(self) -> tuple[str, ...]:  # "typical_p=0.95", ...: set in the file, not applied by the command
+        return tuple(f"{k}={v!r}"[:80] for k, v in self.kept.items() if k in NOT_APPLIED)
 
     def resolve(self, given: dict[str, Any]) -> Sampling:
         """The settings used: ``given`` (options the user wrote, by field name) over the file's over the

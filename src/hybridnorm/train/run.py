@@ -17,6 +17,7 @@ from hybridnorm.config_base import show
 from hybridnorm.data import Tokenizer, chat_templates, load_tokenizer
 from hybridnorm.data.tokenizer import stop_token_ids
 from hybridnorm.errors import ConfigError
+from hybridnorm.nn import sampling_defaults
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.sampling_defaults import GenerationDefaults
 from hybridnorm.train.checkpoint import (
@@ -46,23 +47,38 @@ class Run:
     # {name: Jinja text} for transformers' apply_chat_template: an HF folder's, or the checkpoint's copy of an
     # imported run's chat_templates.json (hybridnorm.data.chat_templates); export writes them back
     chat_templates: dict[str, str] = field(default_factory=dict)
-    # an HF folder's generation_config.json sampling defaults, which `hybridnorm generate` follows (a run: none)
+    # decoding defaults `hybridnorm generate` follows: an HF folder's generation_config.json fields, an imported
+    # run's copy of them (generation_defaults.json; export writes them back), else none
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def write_run_files(run_dir: Path, config_yaml: str, tokenizer: Tokenizer, resumed: Path | None) -> dict[str, bytes]:
     """Write a training run's ``config.yaml`` and tokenizer into ``run_dir``; returns the run files every
     checkpoint keeps a copy of: those, only what the tokenizer wrote (a stale file of another tokenizer in the
-    folder is not copied), and the chat templates of the checkpoint ``resumed`` (an imported instruct model's,
-    carried from checkpoint to checkpoint: :mod:`hybridnorm.data.chat_templates`)."""
+    folder is not copied), and the chat templates and decoding defaults of the checkpoint ``resumed`` (an imported
+    instruct model's, carried from checkpoint to checkpoint: :mod:`hybridnorm.data.chat_templates`,
+    :mod:`hybridnorm.nn.sampling_defaults`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml, encoding="utf-8")
     tokenizer.save(run_dir)
     files = {name: (run_dir / name).read_bytes() for name in ("config.yaml", *tokenizer.files)}
-    if resumed is not None and (chats := checked_own_run_file(resumed, chat_templates.FILE)) is not None:
-        files[chat_templates.FILE] = chats.read_bytes()
-        (run_dir / chat_templates.FILE).write_bytes(files[chat_templates.FILE])
+    for name in (chat_templates.FILE, sampling_defaults.FILE):  # an imported folder's, carried on
+        if resumed is not None and (kept := checked_own_run_file(resumed, name)) is not None:
+            files[name] = kept.read_bytes()
+            (run_dir / name).write_bytes(files[name])
     return files
+
+
+def read_generation_defaults(file: Path | None) -> GenerationDefaults:
+    """A run's :data:`~hybridnorm.nn.sampling_defaults.FILE` (an imported folder's decoding defaults); none
+    without the file. A file that is not JSON is a ConfigError naming it."""
+    if file is None:
+        return GenerationDefaults()
+    try:
+        raw = plain_data.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{file}: {plain_data.describe_error(e)}") from None
+    return GenerationDefaults.from_generation_config(raw, str(file))
 
 
 def split_run_path(path: Path) -> tuple[Path | None, Path]:
@@ -136,7 +152,8 @@ def open_run(path: str | Path) -> Run:
     stop_ids = stop_token_ids(cfg.data.stop_tokens, tokenizer, str(cfg_file))
     chat_file = checked_own_run_file(ckpt, chat_templates.FILE)
     chats = chat_templates.read(chat_file) if chat_file is not None else {}
+    generation = read_generation_defaults(checked_own_run_file(ckpt, sampling_defaults.FILE))
     model = TransformerLM(cfg.model)
     load_weights(ckpt, model)  # names, shapes, header dtypes and finiteness checked before anything loads
     model.eval()
-    return Run(run_dir, ckpt, cfg, model, tokenizer, tok_file, stop_ids, chats)
+    return Run(run_dir, ckpt, cfg, model, tokenizer, tok_file, stop_ids, chats, generation)

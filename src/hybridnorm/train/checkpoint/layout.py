@@ -46,8 +46,11 @@ COMMON = ("rng.safetensors", "state.json")  # in both layouts
 MANIFEST = "manifest.json"
 # the run's files, copied in; optional (older checkpoints lack them; tokenizer_config.json only a tokenizer
 # whose end-of-text token its folder declared writes: hybridnorm.data.tokenizer.EOS_FILE; chat_templates.json
-# only a run imported from a folder with chat templates has: hybridnorm.data.chat_templates)
-RUN_FILES = ("config.yaml", "tokenizer.json", "tokenizer_config.json", "chat_templates.json")
+# only a run imported from a folder with chat templates has: hybridnorm.data.chat_templates;
+# generation_defaults.json, one imported from a folder whose generation_config.json chooses how to decode:
+# hybridnorm.nn.sampling_defaults)
+RUN_FILES = ("config.yaml", "tokenizer.json", "tokenizer_config.json", "chat_templates.json",
+             "generation_defaults.json")
 KINDS = ("model", "optimizer")
 SHARD_FILE = re.compile(r"^(model|optimizer)-r([0-9]{5})\.safetensors$")
 _OFFSET = re.compile(r"^(?:[0-9]+(?:,[0-9]+)*)?$")
