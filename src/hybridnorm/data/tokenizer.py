@@ -51,7 +51,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
-    def decode(self, ids: Iterable[int]) -> str: ...
+    # skip_special_tokens: without the special tokens (our end-of-text; a folder's), as transformers decodes
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str: ...
     def save(self, directory: str | Path) -> Path: ...
     def token_to_id(self, token: str) -> int | None: ...  # a vocabulary entry's id (None: no such token)
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -78,12 +79,12 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         # eot becomes the visible marker; a window cut inside a multi-byte character decodes to U+FFFD
         out, buf = [], bytearray()
         for i in ids:
             if i == self.eot_id:
-                out.append(buf.decode("utf-8", errors="replace") + EOT)
+                out.append(buf.decode("utf-8", errors="replace") + ("" if skip_special_tokens else EOT))
                 buf.clear()
             else:
                 buf.append(int(i))
@@ -146,8 +147,8 @@ class BPETokenizer:
         # the _fast variant skips offsets; both run on all cores (RAYON_NUM_THREADS caps them)
         return [e.ids for e in self.hf.encode_batch_fast(list(texts), add_special_tokens=False)]
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def save(self, directory: str | Path) -> Path:
         if self.declared_eos:  # first: a tokenizer.json beside it is only ever read with it

@@ -34,8 +34,10 @@ import torch
 from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.paths import TASKS_DIR
-from hybridnorm.eval.scoring import encode_pair, greedy_until, loglikelihood, loglikelihood_rolling
+from hybridnorm.eval.scoring import encode_pair, generate_until, loglikelihood, loglikelihood_rolling
 from hybridnorm.loading import Run, load_run
+from hybridnorm.nn.sampling import Sampling, check_sampling
+from hybridnorm.nn.sampling_defaults import FIELDS
 
 PIP_HINT = "pip install 'hybridnorm[eval]'"
 OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
@@ -112,7 +114,7 @@ class HybridNormLM(_LMBase):
             self.model.to(self._device).eval()
         except (RuntimeError, AssertionError) as e:  # a malformed name, or CUDA not built in / not present
             raise ConfigError(f"device={device!r}: {e}") from None
-        self._warned_sampling = False
+        self._warned: set[str] = set()  # what was said not to be applied
 
     @property
     def tokenizer_name(self) -> str:
@@ -167,23 +169,51 @@ class HybridNormLM(_LMBase):
         return out
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-        out = []
+        """As lm-eval's HF backend (``HFLM``) generates: each request's ``generation_kwargs`` decide as HFLM
+        hands them to transformers' ``generate`` (``do_sample`` as given, else temperature > 0), over the run's
+        decoding defaults (an HF folder's ``generation_config.json``, an imported run's copy: a Qwen folder's
+        ``repetition_penalty`` acts on greedy requests too), then transformers' own. Requests run in HFLM's
+        order (lm-eval's ``Collator``: grouped by their kwargs, longest context first), one at a time, drawing
+        from torch's global generator, which ``simple_evaluate`` seeds: at HFLM's ``batch_size=1`` a sampled
+        request draws the tokens HFLM draws."""
+        from lm_eval.models.utils import Collator
+
         eot = self.tokenizer.decode([self.tokenizer.eot_id])  # a stop string too, as in HFLM
-        for req in requests:
-            context, gen_kwargs = req.args[0], dict(req.args[1] or {})
-            until = gen_kwargs.get("until") or []
+        order = Collator([req.args for req in requests], sort_fn=lambda a: (-len(self.tokenizer.encode(a[0])), a[0]),
+                         group_by="gen_kwargs", group_fn=lambda a: a[1])
+        out = []
+        for [(context, gen_kwargs)] in order.get_batched(n=1):
+            kwargs = dict(gen_kwargs or {})
+            until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            max_gen = next((gen_kwargs[k] for k in MAX_GEN_TOKS_KEYS if gen_kwargs.get(k) is not None),
-                           self.max_gen_toks)
-            if gen_kwargs.get("do_sample") and not self._warned_sampling:
-                warnings.warn("hybridnorm's lm-eval adapter decodes greedily; do_sample=True is ignored",
-                              stacklevel=2)
-                self._warned_sampling = True
-            text = greedy_until(self.model, self.tokenizer, context, [*until, eot],
-                                _positive_int(max_gen, "max_gen_toks"), stop_ids=self.run.stop_ids)
-            self.cache_hook.add_partial("generate_until", req.args, text)
+            max_gen = next((kwargs[k] for k in MAX_GEN_TOKS_KEYS if kwargs.get(k) is not None), self.max_gen_toks)
+            text = generate_until(self.model, self.tokenizer, context, [*until, eot],
+                                  _positive_int(max_gen, "max_gen_toks"), stop_ids=self.run.stop_ids,
+                                  sampling=self._sampling(kwargs))
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
-        return out
+        return order.get_original(out)
+
+    def _sampling(self, kwargs: dict[str, Any]) -> Sampling:
+        """How a request's tokens are chosen (:meth:`generate_until`); what is not applied is said once."""
+        temperature, do_sample = kwargs.get("temperature", 0.0), kwargs.get("do_sample")
+        try:
+            check_sampling(Sampling(temperature=0.0 if temperature is None else temperature))
+            if do_sample is not None and not isinstance(do_sample, bool):
+                raise ConfigError(f"do_sample={do_sample!r} must be true or false")
+            given = {**kwargs, "do_sample": bool(temperature) if do_sample is None else do_sample}
+            sampling = self.run.generation.for_transformers(given)
+            check_sampling(sampling)
+        except ConfigError as e:
+            raise ConfigError(f"lm-eval generation_kwargs {kwargs!r}"[:300] + f": {e}") from None
+        ignored = [k for k in kwargs if k not in ("until", "do_sample", *FIELDS, *MAX_GEN_TOKS_KEYS)]
+        for what in ([f"generation_kwargs {', '.join(ignored)}"] if ignored else []) + [
+                f"{self.run.generation.source}'s {x}" for x in self.run.generation.not_applied]:
+            if what not in self._warned:
+                warnings.warn(f"hybridnorm's lm-eval adapter does not apply {what} (transformers' generate "
+                              "would)", stacklevel=3)
+                self._warned.add(what)
+        return sampling
 
 
 if _register_model is not None:

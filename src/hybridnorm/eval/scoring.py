@@ -1,5 +1,5 @@
 """Log-likelihood scoring straight on a :class:`~hybridnorm.nn.model.TransformerLM`: the three request kinds
-of lm-eval (``loglikelihood``, ``loglikelihood_rolling``, greedy ``generate_until``) without an HF wrapper.
+of lm-eval (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``) without an HF wrapper.
 
 Conventions, chosen to match lm-eval's HF backend (``HFLM``) so that numbers are comparable:
 
@@ -35,6 +35,9 @@ from hybridnorm.data.tokenizer import Tokenizer, with_start
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.attention import KVCache
 from hybridnorm.nn.model import TransformerLM
+from hybridnorm.nn.sampling import Sampling
+
+GREEDY = Sampling(temperature=0.0)
 
 TokenPair = tuple[list[int], list[int]]
 
@@ -168,9 +171,19 @@ def cut_at_stop(text: str, until: Sequence[str]) -> str:
 @torch.inference_mode()
 def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
                  max_gen_toks: int = 256, stop_ids: Sequence[int] = ()) -> str:
-    """Greedy continuation of ``context`` (prefixed with the start token) up to ``max_gen_toks`` tokens, the
+    """:func:`generate_until` decoding greedily."""
+    return generate_until(model, tokenizer, context, until, max_gen_toks, stop_ids)
+
+
+def generate_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
+                   max_gen_toks: int = 256, stop_ids: Sequence[int] = (), sampling: Sampling = GREEDY,
+                   generator: torch.Generator | None = None) -> str:
+    """The continuation of ``context`` (prefixed with the start token) up to ``max_gen_toks`` tokens, the
     EOT token or one of ``stop_ids`` (a run's other stop tokens: where an HF model's ``generate`` stops for
-    lm-eval's HF backend), or the first stop string in ``until`` (which is cut off, as lm-eval does).
+    lm-eval's HF backend), or the first stop string in ``until`` (which is cut off, as lm-eval does). Each
+    token is chosen by ``sampling`` (greedy by default; a repetition penalty counts the context's tokens and
+    the reply's, as transformers' does), a draw from ``generator`` (default: torch's global one, which
+    lm-eval seeds). The reply is decoded without special tokens, as HFLM decodes it.
 
     As in HFLM the context is left-truncated to leave room for ``max_gen_toks`` new tokens, but it keeps at
     least half the window (HFLM refuses ``max_gen_toks >= max_seq_len``); when the window is full,
@@ -181,6 +194,10 @@ def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until
     max_len, vocab, stops = model.config.max_seq_len, model.config.vocab_size, {tokenizer.eot_id, *stop_ids}
     device = model.embed.weight.device
     ids = with_start(tokenizer, tokenizer.encode(context))[-max(max_len // 2, max_len - max_gen_toks, 1):]
+    seen = None
+    if sampling.repetition_penalty != 1.0:  # (1, V) the tokens the penalty applies to
+        seen = torch.zeros(1, vocab, dtype=torch.bool, device=device)
+        seen[0, torch.tensor(ids, device=device)] = True
 
     def prefill(tokens: list[int]) -> tuple[torch.Tensor, KVCache]:
         cache = model.new_cache(1, max_len)
@@ -189,10 +206,12 @@ def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until
     logits, cache = prefill(ids)
     out: list[int] = []
     for _ in range(max_gen_toks):
-        nxt = int(logits[:vocab].argmax())
+        nxt = int(sampling.next_token(logits[None, :vocab].float(), seen, generator))
         if nxt in stops:
             break
         out.append(nxt)
+        if seen is not None:
+            seen[0, nxt] = True
         if until:
             text = tokenizer.decode(out)
             if any(stop and stop in text for stop in until):
@@ -201,4 +220,6 @@ def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until
             logits, cache = prefill([*ids, *out][-(max_len // 2):])
         else:
             logits = model(torch.tensor([[nxt]], device=device), cache=cache)[0, -1]
-    return cut_at_stop(tokenizer.decode(out), until)
+    # the stop strings are looked for in the text with special tokens, the reply is the text without them, as
+    # HFLM's stopping criteria and its tok_decode do (a special token mid-reply is not in lm-eval's answer)
+    return cut_at_stop(tokenizer.decode(out, skip_special_tokens=True), until)

@@ -18,6 +18,7 @@ but that the command does not apply (``typical_p``, beams, ...) are named in :at
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -81,20 +82,34 @@ class GenerationDefaults:
         return tuple(f"{k}={v!r}"[:80] for k, v in self.kept.items() if k in NOT_APPLIED)
 
     def resolve(self, given: dict[str, Any]) -> Sampling:
-        """The settings used: ``given`` (options the user wrote, by field name) over the file's over the
-        defaults (module docstring). A file value that is used and out of range is a ConfigError naming the
-        file and the option that overrides it."""
+        """The settings ``hybridnorm generate`` uses: ``given`` (options the user wrote, by field name) over
+        the file's over the defaults (module docstring). A file value that is used and out of range is a
+        ConfigError naming the file and the option that overrides it."""
         base = COMMAND_DEFAULTS if self.do_sample is None else TRANSFORMERS_DEFAULTS
         from_file = {**self.fields, **({"temperature": 0.0} if self.do_sample is False else {})}
+        return _sampling({**base, **self._checked(from_file, given, lambda k: "--" + k.replace("_", "-")), **given})
+
+    def for_transformers(self, kwargs: dict[str, Any]) -> Sampling:
+        """The settings transformers' ``generate(**kwargs)`` decodes with on the folder: each of ``do_sample``
+        and the FIELDS from ``kwargs`` where not None, else the file's, else transformers' default (greedy).
+        What lm-eval's HF backend gets for a request (its ``generation_kwargs``, ``do_sample`` always set)."""
+        given = {k: kwargs[k] for k in FIELDS if kwargs.get(k) is not None}
+        do_sample = kwargs.get("do_sample")
+        values = {**TRANSFORMERS_DEFAULTS, **self._checked(self.fields, given, lambda k: f"a {k} argument"), **given}
+        return _sampling({**values, **({} if (self.do_sample if do_sample is None else do_sample)
+                                       else {"temperature": 0.0})})
+
+    def _checked(self, from_file: dict[str, Any], given: dict[str, Any],
+                 overrides: Callable[[str], str]) -> dict[str, Any]:
+        """``from_file``, each value not overridden by ``given`` checked: a ConfigError names the file and what
+        ``overrides`` says overrides the field."""
         for name, value in from_file.items():
             if name not in given:
                 try:
                     check_sampling(replace(Sampling(), **{name: value}))
                 except ConfigError as e:
-                    raise ConfigError(f"{self.source}: {e}; --{name.replace('_', '-')} overrides it") from None
-        values = {**base, **from_file, **given}
-        return Sampling(values["temperature"], values["top_k"] or 0, values["top_p"], values["min_p"] or 0.0,
-                        values["repetition_penalty"])
+                    raise ConfigError(f"{self.source}: {e}; {overrides(name)} overrides it") from None
+        return from_file
 
     def note(self, given: dict[str, Any]) -> str:
         """One line for stderr on what the file decided (``""`` when it decided nothing)."""
@@ -110,3 +125,8 @@ class GenerationDefaults:
         if self.not_applied:
             line += f"; not applied by this command: {', '.join(self.not_applied)}"
         return line
+
+
+def _sampling(values: dict[str, Any]) -> Sampling:
+    return Sampling(values["temperature"], values["top_k"], values["top_p"], values["min_p"],
+                    values["repetition_penalty"])

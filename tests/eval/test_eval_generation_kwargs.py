@@ -1,0 +1,105 @@
+"""lm-eval ``generate_until`` requests decode as lm-eval's HF backend decodes them: the task's
+``generation_kwargs`` (greedy, or sampled with its own settings) over the model's decoding defaults (a folder's
+``generation_config.json``, kept by ``import``), then transformers' defaults. Oracle: ``HFLM`` at
+``batch_size=1`` on the original folder (stock ``LlamaForCausalLM``) under the same ``simple_evaluate`` seeds:
+the same text for every request, greedy with the folder's repetition penalty and sampled alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (in the dev extra)")
+from bos_helpers import bos_folder  # noqa: E402  (tests/eval/: a Llama-3-style folder)
+from eval_helpers import write_jsonl  # noqa: E402
+
+from hybridnorm.errors import ConfigError  # noqa: E402
+from hybridnorm.eval.lm_eval_adapter import run_lm_eval, task_manager  # noqa: E402
+from hybridnorm.hf.export import import_hf  # noqa: E402
+
+DOCS = [{"q": q, "a": "x"} for q in ("The lord said", "Behold", "And the river", "Milk and honey where the",
+                                     "Go forth into a land")]
+# a Qwen-style card: sampling settings, and a repetition penalty that transformers applies to greedy decoding too
+CARD = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
+TASKS = {  # name: generation_kwargs
+    "gen_greedy": "  do_sample: false\n",
+    "gen_sampled": "  do_sample: true\n  temperature: 1.2\n",
+    "gen_hot": "  temperature: 1.5\n  top_k: 0\n",  # no do_sample: lm-eval samples because temperature > 0
+}
+
+
+def task_folder(root: Path, tasks: dict[str, str]) -> Path:
+    folder = root / "tasks"
+    folder.mkdir()
+    data = write_jsonl(root / "gen.jsonl", DOCS)
+    for name, kwargs in tasks.items():
+        (folder / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"  cache_dir: {root / 'hf-cache'}\ntest_split: test\noutput_type: generate_until\n"
+            "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n  until: ['.']\n"
+            f"  max_gen_toks: 12\n{kwargs}metric_list:\n  - metric: exact_match\nmetadata:\n  version: 1.0\n",
+            encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, Path]:
+    """(the folder with CARD, its imported run, the same folder without CARD imported, the task folder)."""
+    root = tmp_path_factory.mktemp("genkw")
+    plain = bos_folder(root / "plain")
+    import_hf(plain, root / "plain-run")
+    folder = bos_folder(root / "card")
+    file = folder / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **CARD}))
+    import_hf(folder, root / "run")
+    return folder, root / "run", root / "plain-run", task_folder(root, TASKS)
+
+
+def texts(res: dict, task: str) -> list[str]:
+    return [s["filtered_resps"][0] for s in sorted(res["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def test_every_request_decodes_as_lm_evals_hf_backend_decodes_it(setup) -> None:
+    from lm_eval.models.huggingface import HFLM
+
+    folder, run, plain_run, tasks = setup
+    names = list(TASKS)
+    ours = run_lm_eval(run, names, include_path=tasks, include_defaults=False, log_samples=True)
+    hflm = HFLM(pretrained=str(folder), batch_size=1, device="cpu")
+    theirs = lm_eval.simple_evaluate(model=hflm, tasks=names, task_manager=task_manager(names, tasks),
+                                     log_samples=True)
+    for task in names:
+        assert texts(ours, task) == texts(theirs, task), task
+    # each setting mattered: the card's penalty changes the greedy text, sampling changes it again
+    plain = run_lm_eval(plain_run, names, include_path=tasks, include_defaults=False, log_samples=True)
+    assert texts(plain, "gen_greedy") != texts(ours, "gen_greedy")
+    assert texts(ours, "gen_sampled") != texts(ours, "gen_greedy") != texts(ours, "gen_hot")
+    # and lm-eval's seed is the one drawn from: another seed, other samples; the same seed, the same ones
+    again = run_lm_eval(run, ["gen_sampled"], include_path=tasks, include_defaults=False, log_samples=True)
+    assert texts(again, "gen_sampled") == texts(ours, "gen_sampled")
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ("  do_sample: true\n  temperature: 1.0\n  top_p: 1.5\n", "top_p=1.5 must be a number in (0, 1]"),
+    ("  temperature: -1\n", "temperature=-1.0 must be a finite number >= 0"),
+    ("  do_sample: 'yes'\n", "do_sample='yes' must be true or false"),
+])
+def test_a_bad_generation_kwarg_is_one_error_naming_it(setup, tmp_path: Path, kwargs: str, says: str) -> None:
+    _, run, _, _ = setup
+    tasks = task_folder(tmp_path, {"gen_bad": kwargs})
+    with pytest.raises(ConfigError) as e:
+        run_lm_eval(run, ["gen_bad"], include_path=tasks, include_defaults=False)
+    assert str(e.value).startswith("lm-eval generation_kwargs {") and says in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_what_is_not_applied_is_said_once(setup, tmp_path: Path) -> None:
+    _, run, _, _ = setup
+    tasks = task_folder(tmp_path, {"gen_beams": "  do_sample: false\n  num_beams: 4\n"})
+    with pytest.warns(UserWarning, match="does not apply generation_kwargs num_beams") as caught:
+        run_lm_eval(run, ["gen_beams"], include_path=tasks, include_defaults=False)
+    assert sum("num_beams" in str(w.message) for w in caught) == 1  # five requests, one warning
