@@ -165,3 +165,17 @@ def test_import_fine_tuning_and_export_keep_the_folders_defaults(exported: Path,
     cli_in_process("export", str(tmp_path / "plain"), "--to", "hf", str(tmp_path / "plain-out"))
     assert (json.loads((tmp_path / "plain-out" / "generation_config.json").read_text()).keys()
             == json.loads((exported / "generation_config.json").read_text()).keys())
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (b"[1, 2]", "expected a JSON object, got list"),
+    (b'{"do_sample": tru', "not valid JSON"),
+    (b"{}" + b" " * (16 << 20), "bytes; a model's JSON file is at most 16,777,216"),
+])
+def test_a_bad_generation_config_file_is_one_error_naming_it(exported: Path, tmp_path: Path, content: bytes,
+                                                             says: str) -> None:
+    folder = with_generation_config(exported, tmp_path)
+    (folder / "generation_config.json").write_bytes(content)
+    bad = command(folder, 0, ok=False)
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {folder / 'generation_config.json'}") and says in lines[0]

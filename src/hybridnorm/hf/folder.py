@@ -148,13 +148,24 @@ def read_config(path: str | Path) -> dict[str, Any]:
     for key in IMPLEMENTATION_KEYS:
         cfg.pop(key, None)
     for name in SIDE_JSON:  # transformers parses these itself: through our reader first, naming the file
-        side = Path(path) / name
-        if side.is_file():
-            try:
-                plain_data.loads(side.read_bytes())
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"{side}: {plain_data.describe_error(e)}") from None
+        if (Path(path) / name).is_file():
+            side_json(Path(path) / name)
     return cfg
+
+
+def side_json(file: Path) -> dict[str, Any]:
+    """A folder's JSON object besides ``config.json`` (``generation_config.json``), parsed; too big, unreadable,
+    not UTF-8 JSON, nested too deep or not an object is one ConfigError naming the file."""
+    try:
+        if file.stat().st_size > CONFIG_MAX_BYTES:
+            raise ConfigError(f"{file} is {file.stat().st_size:,} bytes; a model's JSON file is at most "
+                              f"{CONFIG_MAX_BYTES:,}")
+        raw = plain_data.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{file}: {plain_data.describe_error(e)}") from None
+    if not isinstance(raw, dict):  # transformers would fail on it deep in from_pretrained, naming no file
+        raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def eos_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
@@ -166,11 +177,8 @@ def eos_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
     file = path / "generation_config.json"
     if not file.is_file():
         file = path / "config.json"
-    try:
-        raw = plain_data.loads(file.read_bytes())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{file}: {plain_data.describe_error(e)}") from None
-    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    raw = side_json(file)
+    value = raw.get("eos_token_id")
     ids = [] if value is None else [value] if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConfigError(f"{file}: eos_token_id={value!r} must be a token id or a list of them"[:300])
@@ -183,11 +191,7 @@ def generation_defaults(path: str | Path) -> GenerationDefaults:
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return GenerationDefaults()
-    try:
-        raw = plain_data.loads(file.read_bytes())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{file}: {plain_data.describe_error(e)}") from None
-    return GenerationDefaults.from_generation_config(raw, str(file))
+    return GenerationDefaults.from_generation_config(side_json(file), str(file))
 
 
 def build_config(path: str | Path, cfg: dict[str, Any]) -> Any:  # -> transformers.PretrainedConfig
