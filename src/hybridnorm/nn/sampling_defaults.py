@@ -14,6 +14,10 @@ min-p, no penalty). ``hybridnorm generate`` samples by default (temperature 0.8,
 An option given on the command line overrides the file field by field: ``--temperature 0`` is greedy, and a
 temperature above 0 samples even where the file says ``do_sample: false``. Fields that change what is drawn
 but that the command does not apply (``typical_p``, beams, ...) are named in :attr:`GenerationDefaults.note`.
+
+:meth:`GenerationDefaults.for_transformers` is transformers' own resolution, unchanged: what lm-eval's HF
+backend decodes a ``generate_until`` request with (``hybridnorm.eval.lm_eval_adapter``). ``import`` keeps the
+fields in the run (:data:`FILE`) and ``export`` writes them back, so they survive fine-tuning.
 """
 
 from __future__ import annotations
