@@ -103,3 +103,27 @@ def test_what_is_not_applied_is_said_once(setup, tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="does not apply generation_kwargs num_beams") as caught:
         run_lm_eval(run, ["gen_beams"], include_path=tasks, include_defaults=False)
     assert sum("num_beams" in str(w.message) for w in caught) == 1  # five requests, one warning
+
+
+def test_the_seed_is_lm_evals_and_the_command_passes_it(setup, tmp_path: Path) -> None:
+    """`--seed N` sets lm-eval's four seeds as `lm_eval --seed N` does: the sampled replies are HFLM's under
+    those seeds, and another seed draws others."""
+    from lm_eval.models.huggingface import HFLM
+    from train_helpers import cli_in_process  # tests/
+
+    folder, run, _, tasks = setup
+    seeds = dict(random_seed=7, numpy_random_seed=7, torch_random_seed=7, fewshot_random_seed=7)
+    ours = run_lm_eval(run, ["gen_sampled"], include_path=tasks, include_defaults=False, log_samples=True, seed=7)
+    theirs = lm_eval.simple_evaluate(model=HFLM(pretrained=str(folder), batch_size=1, device="cpu"),
+                                     tasks=["gen_sampled"], task_manager=task_manager(["gen_sampled"], tasks),
+                                     log_samples=True, **seeds)
+    assert texts(ours, "gen_sampled") == texts(theirs, "gen_sampled")
+    default = run_lm_eval(run, ["gen_sampled"], include_path=tasks, include_defaults=False, log_samples=True)
+    assert texts(ours, "gen_sampled") != texts(default, "gen_sampled")
+    out = tmp_path / "res.json"
+    cli_in_process("eval", str(run), "--tasks", "gen_sampled", "--include-path", str(tasks), "--seed", "7",
+                   "--output", str(out))
+    config = json.loads(out.read_text())["lm_eval"]["config"]
+    assert [config[k] for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")] == [7, 7, 7, 7]
+    bad = cli_in_process("eval", str(run), "--seed", "7", ok=False).stderr.strip().splitlines()
+    assert bad == ["error: --seed: only for lm-eval tasks (--tasks a,b)"], bad

@@ -254,12 +254,13 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                 log_samples: bool = False, bootstrap_iters: int = 100_000, device: str | None = None,
                 apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
                 system_instruction: str | None = None, chat_template_args: dict[str, Any] | str | None = None,
-                ) -> dict[str, Any]:
+                seed: int | None = None) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
     ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
     the first N documents of each task. ``apply_chat_template`` (True: the run's default chat template; a
     name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's; ``chat_template_args``
-    are extra template variables (``{"enable_thinking": False}``, or its JSON). Returns lm-eval's
+    are extra template variables (``{"enable_thinking": False}``, or its JSON). ``seed`` sets lm-eval's four
+    seeds (Python, NumPy, torch, few-shot) as ``lm_eval --seed SEED`` does (None: lm-eval's). Returns lm-eval's
     results dict (``results``, ``n-samples``, ``config``, ... and ``samples`` when ``log_samples``)."""
     require_lm_eval()
     use_offline_defaults()
@@ -271,6 +272,8 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         raise ConfigError(f"limit={limit!r} must be a positive integer")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise ConfigError(f"num_fewshot={num_fewshot!r} must be a non-negative integer")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise ConfigError(f"seed={seed!r} must be a non-negative integer")
     if fewshot_as_multiturn and not apply_chat_template:
         raise ConfigError("fewshot_as_multiturn needs apply_chat_template (the turns are chat messages)")
     if chat_template_args is not None and not apply_chat_template:
@@ -292,6 +295,8 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                                   log_samples=log_samples, bootstrap_iters=bootstrap_iters,
                                   apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
                                   system_instruction=system_instruction,
+                                  **({} if seed is None else dict(random_seed=seed, numpy_random_seed=seed,
+                                                                   torch_random_seed=seed, fewshot_random_seed=seed)),
                                   batch_size=lm.batch_size, device=str(lm.device))  # recorded in "config" only
     except ConfigError:
         raise

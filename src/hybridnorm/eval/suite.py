@@ -41,6 +41,7 @@ class EvalRequest(Config):
     fewshot_as_multiturn: bool = False
     system_instruction: str | None = None
     chat_template_args: str | None = None  # JSON object of template variables
+    seed: int | None = bounded(None, ge=0)  # lm-eval's four seeds (None: lm-eval's defaults)
     device: str | None = None
     output: str | None = None          # also write the results as JSON
     debug: bool = False                # keep lm-eval's own warnings
@@ -53,7 +54,7 @@ class EvalRequest(Config):
         lm_eval_only = {"--include-path": self.include_path, "--num-fewshot": self.num_fewshot is not None,
                         "--apply-chat-template": self.apply_chat_template, "--system-instruction":
                         self.system_instruction is not None, "--fewshot-as-multiturn": self.fewshot_as_multiturn,
-                        "--chat-template-args": self.chat_template_args is not None}
+                        "--chat-template-args": self.chat_template_args is not None, "--seed": self.seed is not None}
         if not self.tasks and any(lm_eval_only.values()):
             raise ConfigError(f"{', '.join(k for k, v in lm_eval_only.items() if v)}: only for lm-eval tasks "
                               f"(--tasks a,b)")
@@ -126,7 +127,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
                           num_fewshot=req.num_fewshot, batch_size=scoring_batch,
                           apply_chat_template=req.apply_chat_template or False,
                           fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction,
-                          chat_template_args=req.chat_template_args)  # JSON, checked by check()
+                          chat_template_args=req.chat_template_args, seed=req.seed)  # JSON, checked by check()
         rows += metric_rows(res)
         if req.apply_chat_template or req.system_instruction is not None:
             notes.append(f"lm-eval prompts: {_prompt_note(res['config'])}")
