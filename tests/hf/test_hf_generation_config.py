@@ -179,3 +179,21 @@ def test_a_bad_generation_config_file_is_one_error_naming_it(exported: Path, tmp
     bad = command(folder, 0, ok=False)
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {folder / 'generation_config.json'}") and says in lines[0]
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=0.5, top_p=0.8), dict(do_sample=False, temperature=0.6,
+                                                                        repetition_penalty=1.3)],
+                         ids=["sampling-fields-without-do_sample", "greedy-with-a-temperature"])
+def test_a_card_transformers_would_not_save_still_round_trips(exported: Path, tmp_path: Path, fields: dict) -> None:
+    """Sampling fields without do_sample=true: transformers loads such a file (with a warning) but refuses to
+    save one (`GenerationConfig is invalid`); `export` of the imported run writes the fields as the folder had
+    them, and the export decodes as the folder does, under the command and under transformers."""
+    folder = with_generation_config(exported, tmp_path / "card", **fields)
+    run, out = tmp_path / "run", tmp_path / "exported"
+    cli_in_process("import", str(folder), "--out", str(run))
+    cli_in_process("export", str(run), "--to", "hf", str(out))
+    written = json.loads((out / "generation_config.json").read_text())
+    assert {k: written.get(k) for k in fields} == fields
+    for seed in SEEDS:
+        assert command(out, seed).stdout == command(run, seed).stdout == command(folder, seed).stdout
+        assert transformers_text(out, seed) == transformers_text(folder, seed)

@@ -131,11 +131,16 @@ def export_model(model: TransformerLM, out_dir: str | Path, tokenizer: Tokenizer
     if extra or generation:
         # a GenerationConfig of its own, not one marked as derived from config.json, which transformers may
         # rebuild from config.json's single eos_token_id
-        hf.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, *extra] if extra else eos,
-                                                **(generation or {}))
+        hf.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, *extra] if extra else eos)
     # checked writable above; a disk that fills up fails here, leaving nothing (written aside, renamed at the end)
     with staged_folder(out, "export folder") as tmp, folder.quiet_transformers():
         hf.save_pretrained(tmp)
+        if generation:  # as the folder had them, added to the file rather than set on the GenerationConfig:
+            # transformers refuses to save sampling fields without do_sample=true, which a folder may have (it
+            # loads them with a warning), and an import -> export round trip keeps what the folder said
+            file = tmp / "generation_config.json"
+            file.write_text(json.dumps({**json.loads(file.read_text(encoding="utf-8")), **generation}, indent=2),
+                            encoding="utf-8")
         if tokenizer is not None:
             hf_tokenizer(tokenizer, mc.max_seq_len, chats).save_pretrained(tmp)
         (tmp / "hybridnorm_export.json").write_text(json.dumps({
