@@ -165,7 +165,9 @@ def check_bounds(where: str, value: Any, bounds: dict[str, float]) -> None:
     if value is None:  # an optional field left unset
         return
     if not all(_BOUNDS[k][0](value, bound) for k, bound in bounds.items()):
-        rule = " and ".join(f"{_BOUNDS[k][1]} {bound:g}" for k, bound in bounds.items())
+        # an integer bound in full (2**32 - 1 is 4294967295, not 4.29497e+09); a float one short
+        rule = " and ".join(f"{_BOUNDS[k][1]} {bound if isinstance(bound, int) else format(bound, 'g')}"
+                            for k, bound in bounds.items())
         raise ConfigError(f"{where}={show(value)} must be {rule}")
 
 

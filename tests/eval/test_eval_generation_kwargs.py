@@ -127,3 +127,8 @@ def test_the_seed_is_lm_evals_and_the_command_passes_it(setup, tmp_path: Path) -
     assert [config[k] for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")] == [7, 7, 7, 7]
     bad = cli_in_process("eval", str(run), "--seed", "7", ok=False).stderr.strip().splitlines()
     assert bad == ["error: --seed: only for lm-eval tasks (--tasks a,b)"], bad
+    big = cli_in_process("eval", str(run), "--tasks", "gen_sampled", "--include-path", str(tasks),
+                         f"--seed={2**32}", ok=False).stderr.strip().splitlines()  # NumPy's seeds end at 2**32 - 1
+    assert big == [f"error: --seed={2**32} must be >= 0 and <= {2**32 - 1}"], big
+    with pytest.raises(ConfigError, match=r"seed=-1 must be an integer from 0 to 2\*\*32 - 1"):
+        run_lm_eval(run, ["gen_sampled"], include_path=tasks, include_defaults=False, seed=-1)

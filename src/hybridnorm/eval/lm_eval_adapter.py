@@ -272,8 +272,8 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         raise ConfigError(f"limit={limit!r} must be a positive integer")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise ConfigError(f"num_fewshot={num_fewshot!r} must be a non-negative integer")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise ConfigError(f"seed={seed!r} must be a non-negative integer")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32):
+        raise ConfigError(f"seed={seed!r} must be an integer from 0 to 2**32 - 1 (NumPy's seeds, which lm-eval sets)")
     if fewshot_as_multiturn and not apply_chat_template:
         raise ConfigError("fewshot_as_multiturn needs apply_chat_template (the turns are chat messages)")
     if chat_template_args is not None and not apply_chat_template:

@@ -41,7 +41,7 @@ class EvalRequest(Config):
     fewshot_as_multiturn: bool = False
     system_instruction: str | None = None
     chat_template_args: str | None = None  # JSON object of template variables
-    seed: int | None = bounded(None, ge=0)  # lm-eval's four seeds (None: lm-eval's defaults)
+    seed: int | None = bounded(None, ge=0, le=2**32 - 1)  # lm-eval's four seeds (None: lm-eval's); NumPy's bound
     device: str | None = None
     output: str | None = None          # also write the results as JSON
     debug: bool = False                # keep lm-eval's own warnings
