@@ -12,12 +12,14 @@ from eval_helpers import naive_pair, next_token_logprobs, tiny_model
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.scoring import (
     encode_pair,
+    generate_until,
     greedy_until,
     loglikelihood,
     loglikelihood_rolling,
     loglikelihood_text,
     windows,
 )
+from hybridnorm.nn.sampling import Sampling
 
 L = 48  # the tiny model's max_seq_len
 EOT = 256
@@ -192,3 +194,23 @@ def test_greedy_until_stops_before_a_stop_id(model, tok):
     for k in firsts:
         assert greedy_until(model, tok, "the lord said", (), 30, stop_ids=[ids[k]]) == tok.decode(ids[:k])
         assert greedy_until(model, tok, "the lord said", (), 30, stop_ids=[999, ids[k], ids[0]]) == ""
+
+
+def test_sampled_generate_until_draws_what_the_models_generate_draws(model, tok):
+    """With a sampling setting and a seeded generator, the reply is ``TransformerLM.generate``'s draw (itself
+    checked token for token against transformers' ``generate``): the penalty counts the context too. No
+    autograd graph is built on the way (inference mode), though the weights require gradients."""
+    setting = dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.3)
+    grads = []
+    hook = model.register_forward_hook(lambda m, a, out: grads.append(out.requires_grad))
+    try:
+        for seed in (0, 1, 2):
+            got = generate_until(model, tok, "the lord said", (), 20, sampling=Sampling(**setting),
+                                 generator=torch.Generator().manual_seed(seed))
+            ids = model.generate(torch.tensor([[EOT, *b"the lord said"]]), 20, generator=torch.Generator().manual_seed(
+                seed), **setting)[0, 14:].tolist()
+            assert got == tok.decode(ids[:ids.index(EOT)] if EOT in ids else ids)
+    finally:
+        hook.remove()
+    assert grads and not any(grads) and all(p.requires_grad for p in model.parameters())
+

@@ -168,13 +168,13 @@ def cut_at_stop(text: str, until: Sequence[str]) -> str:
     return text[:cut]
 
 
-@torch.inference_mode()
 def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
                  max_gen_toks: int = 256, stop_ids: Sequence[int] = ()) -> str:
     """:func:`generate_until` decoding greedily."""
     return generate_until(model, tokenizer, context, until, max_gen_toks, stop_ids)
 
 
+@torch.inference_mode()
 def generate_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
                    max_gen_toks: int = 256, stop_ids: Sequence[int] = (), sampling: Sampling = GREEDY,
                    generator: torch.Generator | None = None) -> str:
