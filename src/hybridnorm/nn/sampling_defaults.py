@@ -98,10 +98,11 @@ class GenerationDefaults:
         and the FIELDS from ``kwargs`` where not None, else the file's, else transformers' default (greedy).
         What lm-eval's HF backend gets for a request (its ``generation_kwargs``, ``do_sample`` always set)."""
         given = {k: kwargs[k] for k in FIELDS if kwargs.get(k) is not None}
-        do_sample = kwargs.get("do_sample")
         values = {**TRANSFORMERS_DEFAULTS, **self._checked(self.fields, given, lambda k: f"a {k} argument"), **given}
-        return _sampling({**values, **({} if (self.do_sample if do_sample is None else do_sample)
-                                       else {"temperature": 0.0})})
+        do_sample = kwargs.get("do_sample")
+        if not (self.do_sample if do_sample is None else do_sample):
+            values["temperature"] = 0.0  # greedy
+        return _sampling(values)
 
     def _checked(self, from_file: dict[str, Any], given: dict[str, Any],
                  overrides: Callable[[str], str]) -> dict[str, Any]:
