@@ -1,4 +1,5 @@
-"""A trained tiny HybridNorm* run for the export / generation round trips (fixtures: tests/conftest.py)."""
+"""A trained tiny HybridNorm* run, and its export, for the export / generation round trips (fixtures:
+tests/conftest.py)."""
 
 from pathlib import Path
 
@@ -20,4 +21,15 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, corpus: Path, cache_di
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
         trainer.train(cfg, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def exported(trained_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``trained_run`` exported by the command (``hybridnorm export RUN --to hf DIR``); read only: a test that
+    changes a file works on a copy."""
+    from train_helpers import cli_in_process
+
+    out = tmp_path_factory.mktemp("exported") / "hf"
+    cli_in_process("export", str(trained_run), "--to", "hf", str(out))
     return out

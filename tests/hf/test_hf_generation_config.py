@@ -23,13 +23,6 @@ import hybridnorm.hf  # noqa: F401  (registers the Auto classes)
 PROMPT, NEW, SEEDS = "And God said", 30, (3, 11)
 
 
-@pytest.fixture(scope="module")
-def exported(trained_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("gencfg") / "hf"
-    cli_in_process("export", str(trained_run), "--to", "hf", str(out))
-    return out
-
-
 def with_generation_config(exported: Path, tmp_path: Path, **fields) -> Path:
     """A copy of the export whose generation_config.json also sets ``fields`` (eos and bos kept)."""
     out = tmp_path / "hf"

@@ -92,13 +92,6 @@ def test_each_filter_against_its_definition() -> None:
     assert Sampling(repetition_penalty=2.0).penalize(raw, seen).tolist() == [[1.0, 1.0, -2.0, 0.5]]
 
 
-@pytest.fixture(scope="module")
-def exported(trained_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("sampling") / "hf"
-    cli_in_process("export", str(trained_run), "--to", "hf", str(out))
-    return out
-
-
 FLAGS = dict(temperature=0.8, top_k=0, top_p=0.9, min_p=0.05, repetition_penalty=1.3)
 PROMPT = "And God said"
 
