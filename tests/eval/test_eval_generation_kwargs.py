@@ -1,7 +1,7 @@
 """lm-eval ``generate_until`` requests decode as lm-eval's HF backend decodes them: the task's
 ``generation_kwargs`` (greedy, or sampled with its own settings) over the model's decoding defaults (a folder's
-``generation_config.json``, kept by ``import``), then transformers' defaults. Oracle: ``HFLM`` at
-``batch_size=1`` on the original folder (stock ``LlamaForCausalLM``) under the same ``simple_evaluate`` seeds:
+``generation_config.json``, kept by ``import``), then transformers' defaults. Oracle: ``HFLM`` at the same
+``batch_size`` on the original folder (stock ``LlamaForCausalLM``) under the same ``simple_evaluate`` seeds:
 the same text for every request, greedy with the folder's repetition penalty and sampled alike."""
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ TASKS = {  # name: generation_kwargs
     "gen_greedy": "  do_sample: false\n",
     "gen_sampled": "  do_sample: true\n  temperature: 1.2\n",
     "gen_hot": "  temperature: 1.5\n  top_k: 0\n",  # no do_sample: lm-eval samples because temperature > 0
+    # rows of a batch end at other steps, by other stop strings: a sampled batch must end where HFLM's does
+    "gen_stops": "  do_sample: true\n  temperature: 1.0\n  until: ['a', 'o', 'i']\n  max_gen_toks: 24\n",
 }
+
+
+DEFAULT_STOP = "  until: ['.']\n  max_gen_toks: 12\n"
 
 
 def task_folder(root: Path, tasks: dict[str, str]) -> Path:
@@ -40,8 +45,9 @@ def task_folder(root: Path, tasks: dict[str, str]) -> Path:
         (folder / f"{name}.yaml").write_text(
             f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
             f"  cache_dir: {root / 'hf-cache'}\ntest_split: test\noutput_type: generate_until\n"
-            "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n  until: ['.']\n"
-            f"  max_gen_toks: 12\n{kwargs}metric_list:\n  - metric: exact_match\nmetadata:\n  version: 1.0\n",
+            "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n"
+            f"{'' if '  until:' in kwargs else DEFAULT_STOP}{kwargs}"
+            "metric_list:\n  - metric: exact_match\nmetadata:\n  version: 1.0\n",
             encoding="utf-8")
     return folder
 
@@ -63,23 +69,34 @@ def texts(res: dict, task: str) -> list[str]:
     return [s["filtered_resps"][0] for s in sorted(res["samples"][task], key=lambda s: s["doc_id"])]
 
 
-def test_every_request_decodes_as_lm_evals_hf_backend_decodes_it(setup) -> None:
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_every_request_decodes_as_lm_evals_hf_backend_decodes_it(setup, batch_size: int) -> None:
+    """At the same ``batch_size`` (5 requests: batches of 3 and 2, left-padded), ours == HFLM's for every reply:
+    a sampled batch draws as transformers' ``generate`` draws a batch, and ends where HFLM's batch ends."""
     from lm_eval.models.huggingface import HFLM
 
     folder, run, plain_run, tasks = setup
     names = list(TASKS)
-    ours = run_lm_eval(run, names, include_path=tasks, include_defaults=False, log_samples=True)
-    hflm = HFLM(pretrained=str(folder), batch_size=1, device="cpu")
+    ours = run_lm_eval(run, names, include_path=tasks, include_defaults=False, log_samples=True,
+                       batch_size=batch_size)
+    hflm = HFLM(pretrained=str(folder), batch_size=batch_size, device="cpu")
     theirs = lm_eval.simple_evaluate(model=hflm, tasks=names, task_manager=task_manager(names, tasks),
                                      log_samples=True)
     for task in names:
         assert texts(ours, task) == texts(theirs, task), task
+    if batch_size == 1:
+        return
+    # the batch decides the draw (so one request at a time would fail the comparison above), not the greedy text
+    alone = run_lm_eval(run, names, include_path=tasks, include_defaults=False, log_samples=True, batch_size=1)
+    assert texts(alone, "gen_greedy") == texts(ours, "gen_greedy")
+    assert texts(alone, "gen_sampled") != texts(ours, "gen_sampled")
     # each setting mattered: the card's penalty changes the greedy text, sampling changes it again
     plain = run_lm_eval(plain_run, names, include_path=tasks, include_defaults=False, log_samples=True)
     assert texts(plain, "gen_greedy") != texts(ours, "gen_greedy")
     assert texts(ours, "gen_sampled") != texts(ours, "gen_greedy") != texts(ours, "gen_hot")
-    # and lm-eval's seed is the one drawn from: another seed, other samples; the same seed, the same ones
-    again = run_lm_eval(run, ["gen_sampled"], include_path=tasks, include_defaults=False, log_samples=True)
+    # and lm-eval's seed is the one drawn from: the same seed, the same samples
+    again = run_lm_eval(run, ["gen_sampled"], include_path=tasks, include_defaults=False, log_samples=True,
+                        batch_size=batch_size)
     assert texts(again, "gen_sampled") == texts(ours, "gen_sampled")
 
 
@@ -114,7 +131,7 @@ def test_the_seed_is_lm_evals_and_the_command_passes_it(setup, tmp_path: Path) -
     folder, run, _, tasks = setup
     seeds = dict(random_seed=7, numpy_random_seed=7, torch_random_seed=7, fewshot_random_seed=7)
     ours = run_lm_eval(run, ["gen_sampled"], include_path=tasks, include_defaults=False, log_samples=True, seed=7)
-    theirs = lm_eval.simple_evaluate(model=HFLM(pretrained=str(folder), batch_size=1, device="cpu"),
+    theirs = lm_eval.simple_evaluate(model=HFLM(pretrained=str(folder), batch_size=8, device="cpu"),
                                      tasks=["gen_sampled"], task_manager=task_manager(["gen_sampled"], tasks),
                                      log_samples=True, **seeds)
     assert texts(ours, "gen_sampled") == texts(theirs, "gen_sampled")

@@ -33,8 +33,9 @@ import torch
 
 from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
+from hybridnorm.eval.batched_generation import generate_until_batch
 from hybridnorm.eval.paths import TASKS_DIR
-from hybridnorm.eval.scoring import encode_pair, generate_until, loglikelihood, loglikelihood_rolling
+from hybridnorm.eval.scoring import encode_pair, loglikelihood, loglikelihood_rolling
 from hybridnorm.loading import Run, load_run
 from hybridnorm.nn.sampling import Sampling, check_sampling
 from hybridnorm.nn.sampling_defaults import FIELDS
@@ -173,25 +174,28 @@ class HybridNormLM(_LMBase):
         hands them to transformers' ``generate`` (``do_sample`` as given, else temperature > 0), over the run's
         decoding defaults (an HF folder's ``generation_config.json``, an imported run's copy: a Qwen folder's
         ``repetition_penalty`` acts on greedy requests too), then transformers' own. Requests run in HFLM's
-        order (lm-eval's ``Collator``: grouped by their kwargs, longest context first), one at a time, drawing
-        from torch's global generator, which ``simple_evaluate`` seeds: at HFLM's ``batch_size=1`` a sampled
-        request draws the tokens HFLM draws."""
+        batches (lm-eval's ``Collator``: grouped by their kwargs, longest context first, ``batch_size`` at a
+        time; :func:`~hybridnorm.eval.batched_generation.generate_until_batch`), drawing from torch's global
+        generator, which ``simple_evaluate`` seeds: a sampled request draws the tokens HFLM draws at the same
+        ``batch_size``, and a greedy reply does not depend on its batch."""
         from lm_eval.models.utils import Collator
 
         eot = self.tokenizer.decode([self.tokenizer.eot_id])  # a stop string too, as in HFLM
         order = Collator([req.args for req in requests], sort_fn=lambda a: (-len(self.tokenizer.encode(a[0])), a[0]),
                          group_by="gen_kwargs", group_fn=lambda a: a[1])
         out = []
-        for [(context, gen_kwargs)] in order.get_batched(n=1):
-            kwargs = dict(gen_kwargs or {})
+        for chunk in order.get_batched(n=self.batch_size):
+            contexts, all_kwargs = zip(*chunk, strict=True)
+            kwargs = dict(all_kwargs[0] or {})  # one group: the same kwargs for the whole chunk
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             max_gen = next((kwargs[k] for k in MAX_GEN_TOKS_KEYS if kwargs.get(k) is not None), self.max_gen_toks)
-            text = generate_until(self.model, self.tokenizer, context, [*until, eot],
-                                  _positive_int(max_gen, "max_gen_toks"), stop_ids=self.run.stop_ids,
-                                  sampling=self._sampling(kwargs))
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            out.append(text)
+            texts = generate_until_batch(self.model, self.tokenizer, contexts, [*until, eot],
+                                         _positive_int(max_gen, "max_gen_toks"), stop_ids=self.run.stop_ids,
+                                         sampling=self._sampling(kwargs))
+            for args, text in zip(chunk, texts, strict=True):
+                self.cache_hook.add_partial("generate_until", args, text)
+            out.extend(texts)
         return order.get_original(out)
 
     def _sampling(self, kwargs: dict[str, Any]) -> Sampling:

@@ -1,0 +1,106 @@
+"""lm-eval ``generate_until`` requests decoded together as one left-padded batch, as lm-eval's HF backend
+(``HFLM``) decodes a batch through transformers' ``generate``. The speed trick for
+:func:`~hybridnorm.eval.scoring.generate_until`, its plain twin: every reply is the reply that request gets
+alone (tested equal, greedy and sampled at a batch of one).
+
+What a batch shares, as in transformers' ``generate`` under ``HFLM``:
+
+* **One forward per token for every row.** Contexts are left-padded (the padding masked, positions counting
+  real tokens), and a row that has emitted an end-of-text token is fed that token from then on.
+* **One draw per token for every row** (``torch.multinomial`` over the (B, V) probabilities), until the batch
+  ends where ``HFLM``'s batch ends: every row has emitted an end-of-text token, or every row has shown the
+  *same* stop string in its last ``len(encode(stop)) + 2`` tokens (lm-eval's ``MultiTokenEOSCriteria``), or
+  ``max_gen_toks`` is reached. So a sampled batch consumes torch's generator as ``HFLM``'s batch of the same
+  requests does, and draws the same tokens. A greedy batch ends as soon as every reply is complete (what
+  comes after a reply's end changes nothing).
+
+Each reply ends at its first end-of-text token or stop string, exactly as in the plain twin. Not shared with
+``HFLM``: its repetition penalty also counts the left-padding tokens of a row as seen; here only real tokens
+are (so a penalized reply does not depend on its batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridnorm.data.tokenizer import Tokenizer, with_start
+from hybridnorm.errors import ConfigError
+from hybridnorm.eval.scoring import GREEDY, cut_at_stop, generate_until
+from hybridnorm.nn.model import TransformerLM
+from hybridnorm.nn.sampling import Sampling
+
+
+@torch.inference_mode()
+def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: Sequence[str],
+                         until: Sequence[str] = (), max_gen_toks: int = 256, stop_ids: Sequence[int] = (),
+                         sampling: Sampling = GREEDY, generator: torch.Generator | None = None) -> list[str]:
+    """:func:`~hybridnorm.eval.scoring.generate_until` of each of ``contexts`` (same arguments), computed as
+    one batch. Where the longest context + ``max_gen_toks`` does not fit the model's window (the plain twin
+    then slides the window per reply; ``HFLM`` refuses), the requests run one at a time."""
+    if max_gen_toks < 0:
+        raise ConfigError(f"max_gen_toks={max_gen_toks} must be >= 0")
+    if not contexts:
+        return []
+    max_len, vocab, eot = model.config.max_seq_len, model.config.vocab_size, tokenizer.eot_id
+    keep = max(max_len // 2, max_len - max_gen_toks, 1)  # the plain twin's left truncation
+    rows = [with_start(tokenizer, tokenizer.encode(c))[-keep:] for c in contexts]
+    B, P = len(rows), max(map(len, rows))
+    if P + max_gen_toks > max_len:
+        return [generate_until(model, tokenizer, c, until, max_gen_toks, stop_ids, sampling, generator)
+                for c in contexts]
+    device = model.embed.weight.device
+    ids = torch.tensor([[eot] * (P - len(r)) + r for r in rows], device=device)  # (B, P) left-padded
+    real = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=device)  # (B, P)
+    mask = None if bool(real.all()) else torch.cat([real, real.new_ones(B, max_gen_toks)], 1)
+    seen = None  # (B, V_emb) the real tokens so far, for the repetition penalty
+    cache = model.new_cache(B, P + max_gen_toks)
+    logits = model(ids, cache=cache, attention_mask=None if mask is None else mask[:, :P])[:, -1]  # (B, V_emb)
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.zeros(B, logits.shape[-1], dtype=torch.bool, device=device)
+        seen.scatter_(1, ids, real.bool())  # pad positions scatter False, the row's real tokens True
+    stops = torch.tensor(sorted({eot, *stop_ids}), device=device)
+    strings = [s for s in until if s]
+    tracked = {s: len(tokenizer.encode(s)) + 2 for s in strings} if not sampling.greedy else {}
+    shown = {s: [False] * B for s in tracked}  # HFLM's per-stop-string trackers (a sampled batch's end)
+    emitted: list[list[int]] = [[] for _ in rows]  # every token a row was fed after its context
+    replies: list[list[int] | None] = [None] * B  # a row's reply once complete
+    ended = torch.zeros(B, dtype=torch.bool, device=device)  # rows that emitted an end-of-text token
+    for step in range(max_gen_toks):
+        nxt = sampling.next_token(logits[:, :vocab].float(), None if seen is None else seen[:, :vocab],
+                                  generator)[:, 0]  # (B,) one draw for every row
+        nxt = torch.where(ended, stops[0], nxt)
+        newly = torch.isin(nxt, stops) & ~ended
+        ended |= newly
+        if seen is not None:
+            seen[torch.arange(B, device=device), nxt] = True
+        for b, (tok, stop) in enumerate(zip(nxt.tolist(), newly.tolist(), strict=True)):  # a host sync a token
+            emitted[b].append(tok)
+            if replies[b] is None and (stop or _shows_stop(tokenizer, emitted[b], strings)):
+                replies[b] = emitted[b][:-1] if stop else list(emitted[b])
+            for s, look in tracked.items():
+                shown[s][b] = shown[s][b] or s in tokenizer.decode(emitted[b][-look:])
+        if step + 1 == max_gen_toks or _batch_ends(replies, ended, shown, sampling.greedy):
+            break
+        logits = model(nxt[:, None], cache=cache,
+                       attention_mask=None if mask is None else mask[:, :P + step + 1])[:, -1]
+    return [cut_at_stop(tokenizer.decode(emitted[b] if r is None else r, skip_special_tokens=True), until)
+            for b, r in enumerate(replies)]
+
+
+def _shows_stop(tokenizer: Tokenizer, reply: list[int], strings: Sequence[str]) -> bool:
+    """The plain twin's rule: a stop string in the reply's text, special tokens included."""
+    if not strings:
+        return False
+    text = tokenizer.decode(reply)
+    return any(s in text for s in strings)
+
+
+def _batch_ends(replies: list[list[int] | None], ended: torch.Tensor, shown: dict[str, list[bool]],
+                greedy: bool) -> bool:
+    """Greedy: every reply is complete. Sampled: where transformers' ``generate`` ends ``HFLM``'s batch, so
+    that the batch draws from the generator as often as ``HFLM``'s does (this implies every reply complete)."""
+    if greedy:
+        return all(r is not None for r in replies)
+    return bool(ended.all()) or any(all(flags) for flags in shown.values())
