@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import tiny_model
 
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.batched_generation import generate_until_batch
@@ -99,3 +100,16 @@ def test_the_benchmark_runs_and_its_replies_agree(capsys):
                  "--reps", "1"])
     out = capsys.readouterr().out
     assert "replies equal: 5/5" in out and "one at a time:" in out and "batched (2):" in out and "speed-up:" in out
+
+
+@pytest.mark.parametrize("overrides", [dict(placement="post"), dict(placement="resi_dual"),
+                                       dict(placement="peri"), dict(placement="mix_ln"),
+                                       dict(placement="hybridnorm", moe=dict(num_experts=4, top_k=2))],
+                         ids=["post", "resi_dual", "peri", "mix_ln", "hybridnorm-moe"])
+def test_every_kind_of_block_gives_the_reply_alone(tok, overrides):
+    """Other placements (a second residual stream, norms after the sublayer) and a dropless MoE (the padding
+    is routed to experts too, and must change no real token's output), trained briefly, in float64."""
+    model = tiny_model(seed=1, train_steps=30, **overrides).double()
+    alone = [generate_until(model, tok, c, (".",), 12) for c in CONTEXTS]
+    assert len(set(alone)) > 1
+    assert batched(model, tok, CONTEXTS, 4, (".",), 12) == alone

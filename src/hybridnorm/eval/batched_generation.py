@@ -11,8 +11,8 @@ What a batch shares, as in transformers' ``generate`` under ``HFLM``:
   ends where ``HFLM``'s batch ends: every row has emitted an end-of-text token, or every row has shown the
   *same* stop string in its last ``len(encode(stop)) + 2`` tokens (lm-eval's ``MultiTokenEOSCriteria``), or
   ``max_gen_toks`` is reached. So a sampled batch consumes torch's generator as ``HFLM``'s batch of the same
-  requests does, and draws the same tokens. A greedy batch ends as soon as every reply is complete (what
-  comes after a reply's end changes nothing).
+  requests does, and draws the same tokens. A greedy batch lets each row go once its reply is complete (what
+  comes after a reply's end changes nothing), so it ends with its last reply.
 
 Each reply ends at its first end-of-text token or stop string, exactly as in the plain twin. Not shared with
 ``HFLM``: its repetition penalty also counts the left-padding tokens of a row as seen; here only real tokens
@@ -66,16 +66,17 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
     shown = {s: [False] * B for s in tracked}  # HFLM's per-stop-string trackers (a sampled batch's end)
     emitted: list[list[int]] = [[] for _ in rows]  # every token a row was fed after its context
     replies: list[list[int] | None] = [None] * B  # a row's reply once complete
+    active = list(range(B))  # the rows still in the batch (a greedy batch lets complete rows go)
     ended = torch.zeros(B, dtype=torch.bool, device=device)  # rows that emitted an end-of-text token
     for step in range(max_gen_toks):
         nxt = sampling.next_token(logits[:, :vocab].float(), None if seen is None else seen[:, :vocab],
-                                  generator)[:, 0]  # (B,) one draw for every row
+                                  generator)[:, 0]  # (A,) one draw for every row in the batch
         nxt = torch.where(ended, stops[0], nxt)
         newly = torch.isin(nxt, stops) & ~ended
         ended |= newly
         if seen is not None:
-            seen[torch.arange(B, device=device), nxt] = True
-        for b, (tok, stop) in enumerate(zip(nxt.tolist(), newly.tolist(), strict=True)):  # a host sync a token
+            seen[torch.arange(len(active), device=device), nxt] = True
+        for b, tok, stop in zip(active, nxt.tolist(), newly.tolist(), strict=True):  # a host sync a token
             emitted[b].append(tok)
             if replies[b] is None and (stop or _shows_stop(tokenizer, emitted[b], strings)):
                 replies[b] = emitted[b][:-1] if stop else list(emitted[b])
@@ -83,6 +84,13 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
                 shown[s][b] = shown[s][b] or s in tokenizer.decode(emitted[b][-look:])
         if step + 1 == max_gen_toks or _batch_ends(replies, ended, shown, sampling.greedy):
             break
+        if sampling.greedy and any(replies[b] is not None for b in active):  # complete replies leave the batch
+            keep = torch.tensor([i for i, b in enumerate(active) if replies[b] is None], device=device)
+            active = [active[i] for i in keep.tolist()]
+            cache.keep_rows(keep)
+            nxt, ended = nxt[keep], ended[keep]
+            seen = None if seen is None else seen[keep]
+            mask = None if mask is None else mask[keep]
         logits = model(nxt[:, None], cache=cache,
                        attention_mask=None if mask is None else mask[:, :P + step + 1])[:, -1]
     return [cut_at_stop(tokenizer.decode(emitted[b] if r is None else r, skip_special_tokens=True), until)

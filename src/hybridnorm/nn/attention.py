@@ -57,6 +57,11 @@ class KVCache:
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def keep_rows(self, rows: Tensor) -> None:
+        """Keep only the batch rows ``rows`` (1-d indices, in that order): a batch whose finished rows leave."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
