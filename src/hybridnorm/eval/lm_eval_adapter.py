@@ -34,6 +34,7 @@ import torch
 from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.batched_generation import generate_until_batch
+from hybridnorm.eval.lm_eval_ranks import RankedLM
 from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.scoring import encode_pair, loglikelihood, loglikelihood_rolling
 from hybridnorm.loading import Run, load_run
@@ -74,7 +75,7 @@ def _positive_int(value: object, name: str) -> int:
     return n
 
 
-class HybridNormLM(_LMBase):
+class HybridNormLM(RankedLM, _LMBase):
     """An lm-eval ``LM`` over a hybridnorm run: ``pretrained`` is a run folder, a ``checkpoints/step_*``
     folder, or a loaded :class:`~hybridnorm.loading.Run`. ``device`` defaults to CUDA when available
     for a run loaded here and to the model's current device for a given ``Run``. ``max_batch_size`` (which
@@ -83,7 +84,8 @@ class HybridNormLM(_LMBase):
     when lm-eval first asks for it; the run's ``default`` when not given). ``chat_template_args`` (a dict, or
     its JSON) and ``enable_thinking=False`` are extra template variables, as HFLM's; ``enable_thinking=True``
     is refused: HFLM then cuts each generation's reasoning at its ``think_end_token``, which this adapter
-    does not."""
+    does not. In a joined process group (``torchrun``) it is one rank of a data-parallel evaluation
+    (:mod:`~hybridnorm.eval.lm_eval_ranks`); its default device is then this rank's GPU."""
 
     def __init__(self, pretrained: str | Path | Run, batch_size: int | str = 8, device: str | None = None,
                  max_gen_toks: int | str = 256, max_batch_size: int | None = None, chat_template: str | None = None,
@@ -91,6 +93,7 @@ class HybridNormLM(_LMBase):
                  **kwargs: Any) -> None:
         require_lm_eval()
         super().__init__()
+        self.join_ranks()
         if kwargs:
             raise ConfigError(f"unknown hybridnorm model_args {', '.join(map(repr, kwargs))}; valid: pretrained, "
                               f"batch_size, device, max_gen_toks, chat_template, chat_template_args, enable_thinking")
@@ -109,7 +112,7 @@ class HybridNormLM(_LMBase):
         self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         if device is None:
             device = str(self.model.embed.weight.device) if isinstance(pretrained, Run) else \
-                ("cuda" if torch.cuda.is_available() else "cpu")
+                (f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu")
         try:
             self._device = torch.device(device)
             self.model.to(self._device).eval()
@@ -258,14 +261,16 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                 log_samples: bool = False, bootstrap_iters: int = 100_000, device: str | None = None,
                 apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
                 system_instruction: str | None = None, chat_template_args: dict[str, Any] | str | None = None,
-                seed: int | None = None) -> dict[str, Any]:
+                seed: int | None = None) -> dict[str, Any] | None:
     """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
     ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
     the first N documents of each task. ``apply_chat_template`` (True: the run's default chat template; a
     name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's; ``chat_template_args``
     are extra template variables (``{"enable_thinking": False}``, or its JSON). ``seed`` sets lm-eval's four
     seeds (Python, NumPy, torch, few-shot) as ``lm_eval --seed SEED`` does (None: lm-eval's). Returns lm-eval's
-    results dict (``results``, ``n-samples``, ``config``, ... and ``samples`` when ``log_samples``)."""
+    results dict (``results``, ``n-samples``, ``config``, ... and ``samples`` when ``log_samples``); in a joined
+    process group of several ranks (``torchrun``) the documents are split across the ranks, and rank 0 gets
+    the results of all of them, every other rank None."""
     require_lm_eval()
     use_offline_defaults()
     names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
@@ -308,7 +313,9 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         msg = " ".join(str(e).split())
         raise ConfigError(f"lm-eval could not run {', '.join(names)}: {type(e).__name__}: {msg}") from e
     if results is None:
-        raise ConfigError("lm-eval returned no results (not the main process?)")
+        if lm.world_size > 1 and lm.rank != 0:
+            return None  # rank 0 holds the results of every rank's documents
+        raise ConfigError("lm-eval returned no results")
     # how the prompts were built, which lm-eval records only through its EvaluationTracker: a score of
     # chat-formatted prompts is not comparable with one of plain ones, so the results say which they are
     results["config"].update(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,39 @@ def task_names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+# how long a rank of a data-parallel lm-eval run waits for the others at a collective: ranks whose documents
+# generate longer replies finish their share much later (lm-eval's HF backend waits up to a year); a rank that
+# dies ends the wait at once (its connection closes)
+RANK_WAIT_S = 24 * 3600.0
+
+
 def run_eval(req: EvalRequest) -> dict[str, Any]:
-    """Run what ``req`` asks for, print it, write ``req.output`` if set; returns the results dict."""
+    """Run what ``req`` asks for, print it, write ``req.output`` if set; returns the results dict. Under a
+    torchrun of several processes (``--tasks`` only) the ranks share lm-eval's documents; rank 0 prints and
+    writes the results of all of them and returns them, the others return an empty dict."""
     device = check_device(req.device)  # before the minutes of loading, and for every kind of evaluation
+    from hybridnorm.train.distributed import launched_world
+
+    if (world := launched_world()) > 1:
+        if req.mc or req.text or not req.tasks:
+            raise ConfigError(f"under torchrun ({world} processes) hybridnorm eval splits lm-eval --tasks across "
+                              "them; --mc, --text and the validation loss run in one process: run them without "
+                              "torchrun")
+        from hybridnorm.train.distributed import init_distributed, leave, resolve_device
+
+        device = resolve_device(req.device or "auto", int(os.environ.get("LOCAL_RANK", "0")))  # this rank's GPU
+        if device.type == "cuda":  # nccl's collectives of lm-eval's CUDA tensors run on the current device
+            import torch
+
+            torch.cuda.set_device(device)
+        init_distributed(device, RANK_WAIT_S)
+        out = _run_eval(req, device)
+        leave()  # only after success: a rank that failed exits, and the others' collectives fail with it
+        return out
+    return _run_eval(req, device)
+
+
+def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
     run = load_run(req.checkpoint)
     if device is not None:
         run.model.to(device)
@@ -128,6 +159,8 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
                           apply_chat_template=req.apply_chat_template or False,
                           fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction,
                           chat_template_args=req.chat_template_args, seed=req.seed)  # JSON, checked by check()
+        if res is None:  # another rank's share of a data-parallel evaluation: rank 0 reports it
+            return {}
         rows += metric_rows(res)
         if req.apply_chat_template or req.system_instruction is not None:
             notes.append(f"lm-eval prompts: {_prompt_note(res['config'])}")

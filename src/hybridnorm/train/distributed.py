@@ -71,6 +71,17 @@ def collective_error(e: BaseException, d: Dist, timeout_s: float) -> CollectiveE
     return CollectiveError(f"rank {d.rank} of {d.world_size}: a collective failed: {cause} [{text[:300]}]")
 
 
+def launched_world() -> int:
+    """How many processes torchrun started (its ``WORLD_SIZE``, with ``RANK`` beside it); 1 outside torchrun: a
+    ``WORLD_SIZE`` a job script exported alone launches nothing, and one that is not an integer is not
+    torchrun's."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+    return world if "RANK" in os.environ else 1
+
+
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
     """Join the process group when launched by torchrun (with any number of processes, one included); a no-op
     otherwise. Every collective (and the joining itself) fails after ``timeout_s`` seconds of waiting for

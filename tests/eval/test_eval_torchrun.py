@@ -1,0 +1,123 @@
+"""``hybridnorm eval --tasks`` under the real ``torchrun`` (2 gloo processes on CPU): lm-eval splits the documents
+across the ranks (7 of each task: 4 and 3, so the short rank repeats a request, as lm-eval pads) and rank 0
+reports all of them. Oracle: the same command in one process, on the same run: the same metrics for the three
+request kinds (multiple choice, rolling log-likelihood, greedy generation). Plus the collectives lm-eval calls,
+in a real 2-rank group, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from eval_helpers import write_jsonl
+from train_helpers import TORCHRUN, cli_in_process, run_bounded, spawn_ranks
+
+pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
+
+ROLL = [{"text": f"the lord said unto moses {i} times, behold the river ran dry " * (1 + i % 3)} for i in range(7)]
+GEN = [{"q": q, "a": "x"} for q in ("The lord said", "Behold", "And the river", "Milk and honey where the",
+                                    "Go forth into a land", "By day and", "The city was")]
+TASKS = {
+    "tr_roll": (ROLL, "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+                      "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"),
+    "tr_gen": (GEN, "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+                    "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 8\n  do_sample: false\n"
+                    "metric_list:\n  - metric: exact_match\n"),
+}
+
+
+def _tasks(root: Path) -> Path:
+    folder = root / "tasks"
+    folder.mkdir()
+    for name, (docs, body) in TASKS.items():
+        data = write_jsonl(root / f"{name}.jsonl", docs)
+        (folder / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"  cache_dir: {root / 'hf-cache'}\ntest_split: test\n{body}metadata:\n  version: 1.0\n",
+            encoding="utf-8")
+    return folder
+
+
+def test_two_ranks_report_what_one_process_reports(run_dir: Path, tmp_path: Path) -> None:
+    tasks = _tasks(tmp_path)
+    args = ["eval", str(run_dir), "--tasks", "kjv_mc,tr_roll,tr_gen", "--include-path", str(tasks),
+            "--limit", "7", "--batch-size", "2"]
+    one = tmp_path / "one.json"
+    cli_in_process(*args, "--output", str(one))
+    two = tmp_path / "two.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = run_bounded([*TORCHRUN, "--nproc_per_node", "2", "-m", "hybridnorm.cli", *args, "--output", str(two)],
+                       300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("results: ") == 1 and proc.stdout.count("kjv_mc") == 2  # rank 0 alone prints
+    a, b = (json.loads(p.read_text())["lm_eval"] for p in (one, two))
+    assert a["n-samples"] == b["n-samples"] == {t: {"original": n, "effective": 7} for t, n in
+                                                (("tr_gen", 7), ("tr_roll", 7), ("kjv_mc", 200))}
+    for task, metrics in a["results"].items():
+        got = b["results"][task]
+        assert got.keys() == metrics.keys()
+        for k, v in metrics.items():
+            if "stderr" not in k and isinstance(v, float):  # the bootstrap's draws differ; the values must not
+                assert got[k] == pytest.approx(v, rel=1e-6), (task, k)
+    assert 0 < a["results"]["kjv_mc"]["acc,none"] < 1 and a["results"]["tr_roll"]["word_perplexity,none"] > 1
+
+
+def test_only_tasks_are_split_and_the_rest_is_refused_in_one_line(run_dir: Path, tmp_path: Path, monkeypatch,
+                                                                 capsys) -> None:
+    from hybridnorm import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    mc = write_jsonl(tmp_path / "mc.jsonl", [{"context": "a", "endings": ["b", "c"], "label": 0}])
+    for extra in (["--mc", str(mc)], ["--text", str(mc)]):
+        assert cli.main(["eval", str(run_dir), "--tasks", "kjv_mc", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["error: under torchrun (2 processes) hybridnorm eval splits lm-eval --tasks across them; "
+                       "--mc, --text and the validation loss run in one process: run them without torchrun"], err
+    assert cli.main(["eval", str(run_dir)]) == 2  # the validation loss: refused before the run is read
+    assert "hybridnorm eval runs in one process, but torchrun started 2" in capsys.readouterr().err
+
+
+def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
+    from train_helpers import rank_env
+
+    rank_env(rank, world, port)
+    from hybridnorm.eval.lm_eval_ranks import RankedLM
+    from hybridnorm.train.distributed import init_distributed, leave
+
+    init_distributed(torch.device("cpu"), 60)
+    lm = RankedLM()
+    lm.join_ranks()
+    got = {"rank": lm._rank, "world": lm._world_size,
+           "scalar": lm.all_gather(torch.tensor(10 + rank)).tolist(),
+           "rows": lm.all_gather(torch.full((2, 3), float(rank))).tolist(),
+           "older": lm.accelerator.gather(torch.tensor(rank)).tolist(),  # lm-eval before 0.4.10
+           "objects": lm.gather_object({"r": rank}, dst=0)}
+    lm.accelerator.wait_for_everyone()
+    lm.barrier()
+    leave()
+    Path(out, f"{rank}.json").write_text(json.dumps(got))
+
+
+def test_the_collectives_lm_eval_calls_in_a_two_rank_group(tmp_path: Path) -> None:
+    spawn_ranks(_collectives_worker, 2, (str(tmp_path),), 120, "two ranks gathering")
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    assert (r0["rank"], r0["world"], r1["rank"], r1["world"]) == (0, 2, 1, 2)
+    for r in (r0, r1):
+        assert r["scalar"] == [10, 11] and r["older"] == [0, 1]
+        assert r["rows"] == [[0.0] * 3] * 2 + [[1.0] * 3] * 2
+    assert r0["objects"] == [{"r": 0}, {"r": 1}] and r1["objects"] is None
+
+
+def test_one_process_is_rank_0_of_1_and_its_collectives_do_nothing() -> None:
+    from hybridnorm.eval.lm_eval_ranks import RankedLM
+
+    lm = RankedLM()
+    lm.join_ranks()
+    t = torch.tensor(3)
+    assert (lm._rank, lm._world_size) == (0, 1) and lm.all_gather(t) is t and lm.gather_object("x") == ["x"]
+    assert not hasattr(lm, "accelerator")
+    lm.barrier()
