@@ -102,6 +102,23 @@ def test_a_cuda_index_past_the_last_gpu_is_refused(monkeypatch: pytest.MonkeyPat
         resolve_device("cuda", local_rank=5)  # torchrun with more ranks than GPUs
 
 
+@pytest.mark.cuda
+def test_the_gpu_a_process_runs_on_becomes_its_current_device() -> None:
+    """Rank k's pinned batches, nccl barrier and bare synchronize must act on cuda:k, not open a context on
+    GPU 0 from every rank: ``init_distributed`` (train, compare/sweep, eval --tasks) sets the current device,
+    also outside torchrun (``--device cuda:N``). Only a machine with several GPUs can tell (the last one is
+    used); with one this checks the call runs."""
+    from hybridnorm.train.distributed import init_distributed
+
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    before = torch.cuda.current_device()
+    try:
+        assert not init_distributed(last).enabled  # not under torchrun: no group
+        assert torch.cuda.current_device() == last.index
+    finally:
+        torch.cuda.set_device(before)
+
+
 # -- memory ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("size", "placement"), [("tiny", "pre"), ("tiny", "hybridnorm_star"), ("small", "olmo2"),

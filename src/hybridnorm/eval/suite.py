@@ -114,11 +114,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
         from hybridnorm.train.distributed import init_distributed, leave, resolve_device
 
         device = resolve_device(req.device or "auto", int(os.environ.get("LOCAL_RANK", "0")))  # this rank's GPU
-        if device.type == "cuda":  # nccl's collectives of lm-eval's CUDA tensors run on the current device
-            import torch
-
-            torch.cuda.set_device(device)
-        init_distributed(device, RANK_WAIT_S)
+        init_distributed(device, RANK_WAIT_S)  # which makes it the current device
         out = _run_eval(req, device)
         leave()  # only after success: a rank that failed exits, and the others' collectives fail with it
         return out

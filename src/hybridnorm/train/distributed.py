@@ -85,7 +85,11 @@ def launched_world() -> int:
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
     """Join the process group when launched by torchrun (with any number of processes, one included); a no-op
     otherwise. Every collective (and the joining itself) fails after ``timeout_s`` seconds of waiting for
-    another rank."""
+    another rank. A CUDA ``device`` becomes this process's current device first, also outside torchrun."""
+    if device.type == "cuda":
+        # what runs on "the current device" (pinned host memory for the batches, nccl's barrier, a bare
+        # synchronize) must run on this rank's GPU: left at cuda:0, every rank also opened a context on GPU 0
+        torch.cuda.set_device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # torchrun with one process still joins a group of one: --parallel=fsdp then shards over it (bf16
     # mixed-precision policy, sharded checkpoints) exactly as on N ranks, instead of silently not

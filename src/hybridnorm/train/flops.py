@@ -76,7 +76,7 @@ def matmul_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, n: int
     ``reps`` (the best drops one-off stalls, the median one lucky or loaded round)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
     a @ b  # warm-up: thread pools, kernels
     sync()
     bests = []
