@@ -65,6 +65,31 @@ def test_two_ranks_report_what_one_process_reports(run_dir: Path, tmp_path: Path
     assert 0 < a["results"]["kjv_mc"]["acc,none"] < 1 and a["results"]["tr_roll"]["word_perplexity,none"] > 1
 
 
+SCRIPT = """
+import json, sys
+from hybridnorm.eval import run_lm_eval
+res = run_lm_eval(sys.argv[1], ["kjv_mc"], limit=5, batch_size=2, include_defaults=False)
+import torch.distributed as dist
+print(f"rank {dist.get_rank()}: " + json.dumps(None if res is None else res["results"]["kjv_mc"]["acc,none"]))
+"""
+
+
+def test_lm_eval_from_a_script_under_torchrun_joins_the_ranks_itself(run_dir: Path, tmp_path: Path) -> None:
+    """``run_lm_eval`` (or ``simple_evaluate(model="hybridnorm")``) in a user's script launched by torchrun: the
+    adapter joins the process group as lm-eval's HF backend does through accelerate; rank 0 gets the results
+    of every document, rank 1 None."""
+    from hybridnorm.eval import run_lm_eval
+
+    script = tmp_path / "evaluate.py"
+    script.write_text(SCRIPT, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = run_bounded([*TORCHRUN, "--nproc_per_node", "2", str(script), str(run_dir)], 300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = run_lm_eval(run_dir, ["kjv_mc"], limit=5, batch_size=2, include_defaults=False)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank 0: {json.dumps(want['results']['kjv_mc']['acc,none'])}", "rank 1: null"], lines
+
+
 def test_only_tasks_are_split_and_the_rest_is_refused_in_one_line(run_dir: Path, tmp_path: Path, monkeypatch,
                                                                  capsys) -> None:
     from hybridnorm import cli
@@ -90,7 +115,7 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
 
     init_distributed(torch.device("cpu"), 60)
     lm = RankedLM()
-    lm.join_ranks()
+    lm.join_ranks(torch.device("cpu"))  # the group joined above
     got = {"rank": lm._rank, "world": lm._world_size,
            "scalar": lm.all_gather(torch.tensor(10 + rank)).tolist(),
            "rows": lm.all_gather(torch.full((2, 3), float(rank))).tolist(),
@@ -116,7 +141,7 @@ def test_one_process_is_rank_0_of_1_and_its_collectives_do_nothing() -> None:
     from hybridnorm.eval.lm_eval_ranks import RankedLM
 
     lm = RankedLM()
-    lm.join_ranks()
+    lm.join_ranks(torch.device("cpu"))
     t = torch.tensor(3)
     assert (lm._rank, lm._world_size) == (0, 1) and lm.all_gather(t) is t and lm.gather_object("x") == ["x"]
     assert not hasattr(lm, "accelerator")

@@ -34,7 +34,7 @@ import torch
 from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.batched_generation import generate_until_batch
-from hybridnorm.eval.lm_eval_ranks import RankedLM
+from hybridnorm.eval.lm_eval_ranks import RankedLM, launched_local_rank
 from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.scoring import encode_pair, loglikelihood, loglikelihood_rolling
 from hybridnorm.loading import Run, load_run
@@ -84,8 +84,9 @@ class HybridNormLM(RankedLM, _LMBase):
     when lm-eval first asks for it; the run's ``default`` when not given). ``chat_template_args`` (a dict, or
     its JSON) and ``enable_thinking=False`` are extra template variables, as HFLM's; ``enable_thinking=True``
     is refused: HFLM then cuts each generation's reasoning at its ``think_end_token``, which this adapter
-    does not. In a joined process group (``torchrun``) it is one rank of a data-parallel evaluation
-    (:mod:`~hybridnorm.eval.lm_eval_ranks`); its default device is then this rank's GPU."""
+    does not. Under ``torchrun`` it is one rank of a data-parallel evaluation (it joins the process group
+    if none is joined yet, as HFLM does through accelerate; :mod:`~hybridnorm.eval.lm_eval_ranks`); its
+    default device is then this rank's GPU."""
 
     def __init__(self, pretrained: str | Path | Run, batch_size: int | str = 8, device: str | None = None,
                  max_gen_toks: int | str = 256, max_batch_size: int | None = None, chat_template: str | None = None,
@@ -93,7 +94,6 @@ class HybridNormLM(RankedLM, _LMBase):
                  **kwargs: Any) -> None:
         require_lm_eval()
         super().__init__()
-        self.join_ranks()
         if kwargs:
             raise ConfigError(f"unknown hybridnorm model_args {', '.join(map(repr, kwargs))}; valid: pretrained, "
                               f"batch_size, device, max_gen_toks, chat_template, chat_template_args, enable_thinking")
@@ -112,12 +112,13 @@ class HybridNormLM(RankedLM, _LMBase):
         self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         if device is None:
             device = str(self.model.embed.weight.device) if isinstance(pretrained, Run) else \
-                (f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu")
+                (f"cuda:{launched_local_rank()}" if torch.cuda.is_available() else "cpu")
         try:
             self._device = torch.device(device)
             self.model.to(self._device).eval()
         except (RuntimeError, AssertionError) as e:  # a malformed name, or CUDA not built in / not present
             raise ConfigError(f"device={device!r}: {e}") from None
+        self.join_ranks(self._device)
         self._warned: set[str] = set()  # what was said not to be applied
 
     @property

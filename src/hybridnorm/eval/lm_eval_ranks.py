@@ -12,12 +12,23 @@ earlier versions call ``lm.accelerator.gather`` / ``.wait_for_everyone()`` and `
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hybridnorm.train.distributed import current_dist
+from hybridnorm.train.distributed import current_dist, init_distributed, launched_world
+
+# how long a rank waits for the others at a collective: ranks whose documents generate longer replies finish
+# their share much later (lm-eval's HF backend waits up to a year); a rank that dies ends the wait at once
+# (its connection closes)
+RANK_WAIT_S = 24 * 3600.0
+
+
+def launched_local_rank() -> int:
+    """This process's GPU index on its machine under torchrun (``LOCAL_RANK``), else 0."""
+    return int(os.environ.get("LOCAL_RANK", "0")) if launched_world() > 1 else 0
 
 
 class _Collectives:
@@ -39,11 +50,14 @@ class RankedLM:
 
     _rank: int
     _world_size: int
-    local_rank: int = 0  # this rank's GPU on its machine
 
-    def join_ranks(self) -> None:
+    def join_ranks(self, device: torch.device) -> None:
+        """Take this process's rank in the joined process group; under a torchrun of several processes with no
+        group joined yet (lm-eval called from a script), join it first, on ``device``."""
+        if launched_world() > 1 and not dist.is_initialized():
+            init_distributed(device, RANK_WAIT_S)
         d = current_dist()
-        self._rank, self._world_size, self.local_rank = d.rank, d.world_size, d.local_rank
+        self._rank, self._world_size = d.rank, d.world_size
         if d.world_size > 1:
             self.accelerator = _Collectives(self)
 

@@ -93,12 +93,6 @@ def task_names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-# how long a rank of a data-parallel lm-eval run waits for the others at a collective: ranks whose documents
-# generate longer replies finish their share much later (lm-eval's HF backend waits up to a year); a rank that
-# dies ends the wait at once (its connection closes)
-RANK_WAIT_S = 24 * 3600.0
-
-
 def run_eval(req: EvalRequest) -> dict[str, Any]:
     """Run what ``req`` asks for, print it, write ``req.output`` if set; returns the results dict. Under a
     torchrun of several processes (``--tasks`` only) the ranks share lm-eval's documents; rank 0 prints and
@@ -111,6 +105,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
             raise ConfigError(f"under torchrun ({world} processes) hybridnorm eval splits lm-eval --tasks across "
                               "them; --mc, --text and the validation loss run in one process: run them without "
                               "torchrun")
+        from hybridnorm.eval.lm_eval_ranks import RANK_WAIT_S
         from hybridnorm.train.distributed import init_distributed, leave, resolve_device
 
         device = resolve_device(req.device or "auto", int(os.environ.get("LOCAL_RANK", "0")))  # this rank's GPU
