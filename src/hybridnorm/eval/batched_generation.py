@@ -44,8 +44,8 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
     if not contexts:
         return []
     max_len, vocab, eot = model.config.max_seq_len, model.config.vocab_size, tokenizer.eot_id
-    keep = max(max_len // 2, max_len - max_gen_toks, 1)  # the plain twin's left truncation
-    rows = [with_start(tokenizer, tokenizer.encode(c))[-keep:] for c in contexts]
+    room = max(max_len // 2, max_len - max_gen_toks, 1)  # the plain twin's left truncation
+    rows = [with_start(tokenizer, tokenizer.encode(c))[-room:] for c in contexts]
     B, P = len(rows), max(map(len, rows))
     if P + max_gen_toks > max_len:
         return [generate_until(model, tokenizer, c, until, max_gen_toks, stop_ids, sampling, generator)
@@ -71,7 +71,7 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
     for step in range(max_gen_toks):
         nxt = sampling.next_token(logits[:, :vocab].float(), None if seen is None else seen[:, :vocab],
                                   generator)[:, 0]  # (A,) one draw for every row in the batch
-        nxt = torch.where(ended, stops[0], nxt)
+        nxt = torch.where(ended, eot, nxt)  # an ended row is fed end-of-text (transformers: its pad token)
         newly = torch.isin(nxt, stops) & ~ended
         ended |= newly
         if seen is not None:
@@ -85,12 +85,12 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
         if step + 1 == max_gen_toks or _batch_ends(replies, ended, shown, sampling.greedy):
             break
         if sampling.greedy and any(replies[b] is not None for b in active):  # complete replies leave the batch
-            keep = torch.tensor([i for i, b in enumerate(active) if replies[b] is None], device=device)
-            active = [active[i] for i in keep.tolist()]
-            cache.keep_rows(keep)
-            nxt, ended = nxt[keep], ended[keep]
-            seen = None if seen is None else seen[keep]
-            mask = None if mask is None else mask[keep]
+            stay = torch.tensor([i for i, b in enumerate(active) if replies[b] is None], device=device)
+            active = [active[i] for i in stay.tolist()]
+            cache.keep_rows(stay)
+            nxt, ended = nxt[stay], ended[stay]
+            seen = None if seen is None else seen[stay]
+            mask = None if mask is None else mask[stay]
         logits = model(nxt[:, None], cache=cache,
                        attention_mask=None if mask is None else mask[:, :P + step + 1])[:, -1]
     return [cut_at_stop(tokenizer.decode(emitted[b] if r is None else r, skip_special_tokens=True), until)
