@@ -120,7 +120,7 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     e.add_argument("--seed", type=int, help="lm-eval's seeds (Python, NumPy, torch: sampled generation; few-shot "
                                             "picks) all set to SEED, as lm_eval --seed SEED (default: lm-eval's "
                                             "0,1234,1234,1234)")
-    e.add_argument("--device", help="cpu, cuda, cuda:N (default: where the run loads, the CPU)")
+    e.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when a GPU is visible, else the CPU)")
     e.add_argument("--output", metavar="FILE.json", help="also write all results (per item for --mc) as JSON")
     e.set_defaults(func=commands["eval"])
 

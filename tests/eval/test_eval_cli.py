@@ -116,3 +116,14 @@ def test_bad_input_is_one_error_line(case, run_dir, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["eval", str(run_dir), *argv]) == 2
     _one_error_line(capsys.readouterr().err, needles)
+
+
+def test_without_device_eval_runs_on_the_gpu_where_one_is_visible():
+    """As ``train``'s ``--device auto`` and lm-eval's HF backend: a GPU machine evaluates on its GPU unless
+    told otherwise; a machine without one on the CPU, where the run loads (None: the model is not moved)."""
+    import torch
+
+    from hybridnorm.eval.suite import check_device
+
+    assert check_device(None) == (torch.device("cuda") if torch.cuda.is_available() else None)
+    assert check_device("cpu") == torch.device("cpu")

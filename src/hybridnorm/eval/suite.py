@@ -74,11 +74,13 @@ class EvalRequest(Config):
 
 def check_device(name: str | None):  # -> torch.device | None
     """``--device`` parsed and probed with an empty tensor: a malformed name, a device type this torch was
-    built without, CUDA with no GPU present or an index past the last GPU is one ConfigError naming it."""
-    if name is None:
-        return None
+    built without, CUDA with no GPU present or an index past the last GPU is one ConfigError naming it. Not
+    given: the GPU where one is visible (as ``train``'s ``auto`` and lm-eval's HF backend), else None (the CPU,
+    where the run loads)."""
     import torch
 
+    if name is None:
+        return torch.device("cuda") if torch.cuda.is_available() else None
     try:
         device = torch.device(name)
         torch.empty(0, device=device)
