@@ -85,3 +85,18 @@ def naive_pair(model: TransformerLM, ctx: list[int], cont: list[int]) -> tuple[f
 def write_jsonl(path: Path, records: list[object]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+def task_folder(root: Path, tasks: dict[str, tuple[list[object], str]], extra: str = "") -> Path:
+    """``root/tasks``, one lm-eval task YAML per entry of ``tasks`` (name: (documents, the YAML's body)), each
+    reading its documents from a JSONL file by absolute path through datasets' ``json`` builder (no network),
+    its cache under ``root``. ``extra``: YAML lines every task gets (e.g. ``fewshot_split: test``)."""
+    folder = root / "tasks"
+    folder.mkdir()
+    for name, (docs, body) in tasks.items():
+        data = write_jsonl(root / f"{name}.jsonl", docs)
+        (folder / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+            f"  cache_dir: {root / 'hf-cache'}\ntest_split: test\n{extra}{body}metadata:\n  version: 1.0\n",
+            encoding="utf-8")
+    return folder

@@ -16,7 +16,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate (in the dev extra)")
 from bos_helpers import BOS, bos_folder  # noqa: E402  (tests/eval/: a Llama-3-style folder)
-from eval_helpers import write_jsonl  # noqa: E402
+from eval_helpers import task_folder  # noqa: E402
 from train_helpers import cli_in_process  # noqa: E402  (tests/)
 
 from hybridnorm import cli  # noqa: E402
@@ -63,15 +63,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
     tok.chat_template = TEMPLATES
     tok.save_pretrained(folder)
     import_hf(folder, root / "run")
-    tasks = root / "tasks"
-    tasks.mkdir()
-    for name, (docs, body) in TASKS.items():
-        data = write_jsonl(root / f"{name}.jsonl", docs)
-        (tasks / f"{name}.yaml").write_text(
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-            f"  cache_dir: {root / 'hf-cache'}\ntest_split: test\nfewshot_split: test\n{body}"
-            f"metadata:\n  version: 1.0\n", encoding="utf-8")
-    return folder, root / "run", tasks
+    return folder, root / "run", task_folder(root, TASKS, extra="fewshot_split: test\n")
 
 
 def _samples(res: dict, task: str) -> list[dict]:

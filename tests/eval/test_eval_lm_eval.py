@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from eval_helpers import write_jsonl
+from eval_helpers import task_folder
 
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval import TASKS_DIR
@@ -48,15 +48,8 @@ def lm_eval():
 
 def _include_folder(root: Path) -> Path:
     """Three tasks reading JSONL through datasets' ``json`` builder by absolute path."""
-    folder = root / "tasks"
-    folder.mkdir()
-    for name, body in TASKS.items():
-        data = write_jsonl(root / f"{name}.jsonl", {"tmp_mc": MC, "tmp_roll": ROLL, "tmp_gen": GEN}[name])
-        (folder / f"{name}.yaml").write_text(
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-            f"  cache_dir: {root / 'hf-cache'}\ntest_split: test\n{body}metadata:\n  version: 1.0\n",
-            encoding="utf-8")
-    return folder
+    docs = {"tmp_mc": MC, "tmp_roll": ROLL, "tmp_gen": GEN}
+    return task_folder(root, {name: (docs[name], body) for name, body in TASKS.items()})
 
 
 def _samples(res: dict, task: str) -> list[dict]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from eval_helpers import write_jsonl
+from eval_helpers import task_folder, write_jsonl
 from train_helpers import TORCHRUN, cli_in_process, run_bounded, spawn_ranks
 
 pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
@@ -29,20 +29,8 @@ TASKS = {
 }
 
 
-def _tasks(root: Path) -> Path:
-    folder = root / "tasks"
-    folder.mkdir()
-    for name, (docs, body) in TASKS.items():
-        data = write_jsonl(root / f"{name}.jsonl", docs)
-        (folder / f"{name}.yaml").write_text(
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-            f"  cache_dir: {root / 'hf-cache'}\ntest_split: test\n{body}metadata:\n  version: 1.0\n",
-            encoding="utf-8")
-    return folder
-
-
 def test_two_ranks_report_what_one_process_reports(run_dir: Path, tmp_path: Path) -> None:
-    tasks = _tasks(tmp_path)
+    tasks = task_folder(tmp_path, TASKS)
     args = ["eval", str(run_dir), "--tasks", "kjv_mc,tr_roll,tr_gen", "--include-path", str(tasks),
             "--limit", "7", "--batch-size", "2"]
     one = tmp_path / "one.json"
