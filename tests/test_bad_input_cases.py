@@ -66,6 +66,12 @@ def test_eval_device_that_is_not_there_is_refused_before_any_work(run, tmp_path,
     assert_refused(["eval", str(run), "--device", device, *extra], capsys, [f"--device={device!r}"], tmp_path)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "meta", "nonsense"])
+def test_generate_device_that_is_not_there_is_refused_before_any_work(run, tmp_path, capsys, device) -> None:
+    assert_refused(["generate", str(run), "--device", device], capsys, [f"--device={device!r}"], tmp_path)
+
+
 @pytest.mark.parametrize(("argv", "needles"), [
     (["--gpu-mem", "0.001"], ["nothing fits", "--gpu-mem=0.001", "--seq-len=4096"]),
     (["--size", "tiny", "--seq-len", "128", "--gpu-mem", "0.0000001"], ["nothing fits", "--gpu-mem="]),

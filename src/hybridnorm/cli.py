@@ -139,7 +139,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
     from hybridnorm.data import chat_templates
     from hybridnorm.data.tokenizer import with_start
-    from hybridnorm.loading import load_run
+    from hybridnorm.loading import inference_device, load_run
     from hybridnorm.nn.model import check_generate_args
     from hybridnorm.nn.sampling_defaults import COMMAND_DEFAULTS, FIELDS
 
@@ -153,7 +153,9 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         if given is not None and args.chat is None:
             raise ConfigError(f"{flag} is for a chat turn: it needs --chat")
     template_args = chat_templates.template_args(args.chat_template_args, "--chat-template-args")
+    device = inference_device(args.device) or torch.device("cpu")  # before the minutes of loading
     run = load_run(args.checkpoint)
+    run.model.to(device)
     sampling = run.generation.resolve(written)  # an HF folder's generation_config.json sets the defaults
     if note := run.generation.note(written):
         print(note, file=sys.stderr)
@@ -163,14 +165,15 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
         turns = [{"role": "system", "content": args.system}] if args.system is not None else []
         prompt = ChatFormatter(run)([*turns, {"role": "user", "content": args.prompt}], args.chat, template_args)
-    gen = torch.Generator().manual_seed(args.seed)
+    # the device's own generator: on a GPU, the stream transformers' generate draws from after torch.manual_seed
+    gen = torch.Generator(device).manual_seed(args.seed)
     # the start token first (<|endoftext|> for our tokenizers: every training document followed one; a
     # folder's own BOS where its tokenizer adds one, once: a chat template may write it), as the evaluators
     # and the exported HF tokenizer do
     ids = with_start(run.tokenizer, run.tokenizer.encode(prompt))
     # ends after the end-of-text token (or an HF folder's other eos ids), as transformers' generate ends
     stops = [run.tokenizer.eot_id, *run.stop_ids]
-    out = run.model.generate(torch.tensor([ids]), args.max_new_tokens, **asdict(sampling), generator=gen,
+    out = run.model.generate(torch.tensor([ids], device=device), args.max_new_tokens, **asdict(sampling), generator=gen,
                              stop_ids=None if args.ignore_eos else stops)
     if args.chat is None:
         print(run.tokenizer.decode(out[0, 1:].tolist()))

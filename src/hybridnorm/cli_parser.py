@@ -76,6 +76,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
                         "multiplied when negative (1: off, the default, or the folder's; greedy too). All as "
                         "transformers' generate, and a folder's generation_config.json sets the defaults as there")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when a GPU is visible, else the CPU; the "
+                                    "same --seed draws other tokens on a GPU, from its own generator)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="go on past the end-of-text token (default: stop after it, as transformers' generate)")
     g.add_argument("--chat", nargs="?", const="default", metavar="NAME",

@@ -20,6 +20,23 @@ from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
 __all__ = ["Run", "evaluate_run", "load_run"]
 
 
+def inference_device(name: str | None) -> torch.device | None:
+    """``--device`` of ``eval`` / ``generate``, parsed and probed with an empty tensor: a malformed name, a
+    device type this torch was built without, CUDA with no GPU present or an index past the last GPU is one
+    ConfigError naming it. Not given: the GPU where one is visible (as ``train``'s ``auto``, transformers'
+    pipelines and lm-eval's HF backend), else None (the CPU, where a run loads)."""
+    if name is None:
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)
+        if device.type == "meta":
+            raise ValueError("the meta device holds shapes, no numbers")
+    except (RuntimeError, AssertionError, ValueError) as e:  # AssertionError: "Torch not compiled with CUDA"
+        raise ConfigError(f"--device={name!r} cannot be used here: {' '.join(str(e).split())[:200]}") from None
+    return device
+
+
 def load_run(path: str | Path) -> Run:
     """``path`` is a run folder (its newest good checkpoint is used), a ``checkpoints/step_*`` folder, or a
     local Hugging Face model folder (stock Llama/Qwen3/OLMo-2/... or exported by hybridnorm)."""

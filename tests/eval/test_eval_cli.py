@@ -123,7 +123,7 @@ def test_without_device_eval_runs_on_the_gpu_where_one_is_visible():
     told otherwise; a machine without one on the CPU, where the run loads (None: the model is not moved)."""
     import torch
 
-    from hybridnorm.eval.suite import check_device
+    from hybridnorm.loading import inference_device
 
-    assert check_device(None) == (torch.device("cuda") if torch.cuda.is_available() else None)
-    assert check_device("cpu") == torch.device("cpu")
+    assert inference_device(None) == (torch.device("cuda") if torch.cuda.is_available() else None)
+    assert inference_device("cpu") == torch.device("cpu")

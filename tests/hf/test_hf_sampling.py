@@ -116,3 +116,36 @@ def test_the_command_samples_what_transformers_samples_from_the_export(trained_r
     default = cli_in_process("generate", str(exported), "--prompt", PROMPT, "--max-new-tokens=30",
                              f"--seed={seed}").stdout
     assert default != want + "\n"  # the flags were used
+
+
+def test_the_command_chooses_its_device_and_the_cpu_is_the_default_without_a_gpu(exported: Path) -> None:
+    args = ["generate", str(exported), "--prompt", PROMPT, "--max-new-tokens=20", "--seed=5"]
+    on_cpu = cli_in_process(*args, "--device", "cpu").stdout
+    assert len(on_cpu) > len(PROMPT) + 5
+    if not torch.cuda.is_available():
+        assert cli_in_process(*args).stdout == on_cpu
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", [3, 11])
+def test_on_a_gpu_the_command_samples_what_transformers_samples_there(trained_run: Path, exported: Path,
+                                                                      seed: int) -> None:
+    """``generate --device cuda`` draws from the GPU's own generator seeded with ``--seed``: the stream
+    transformers' generate draws from on the GPU after ``torch.manual_seed(seed)``; the same weights on the GPU,
+    the export and the run alike (and greedy text as on the CPU)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(exported)
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported).cuda().eval()
+    prompt = tok(PROMPT, return_tensors="pt").input_ids.cuda()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=30, do_sample=True, **FLAGS)[0].tolist()
+    want = tok.decode(out[1:])
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
+    for source in (trained_run, exported):
+        got = cli_in_process("generate", str(source), "--prompt", PROMPT, "--max-new-tokens=30", f"--seed={seed}",
+                             "--device", "cuda", *flags).stdout
+        assert got == want + "\n", source
+    greedy = ["generate", str(exported), "--prompt", PROMPT, "--max-new-tokens=30", "--temperature=0"]
+    assert cli_in_process(*greedy, "--device", "cuda").stdout == cli_in_process(*greedy, "--device", "cpu").stdout

@@ -17,7 +17,7 @@ from hybridnorm.config_base import Config, bounded
 from hybridnorm.data import chat_templates, scored_references
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
-from hybridnorm.loading import Run, evaluate_on, load_run, validation_data
+from hybridnorm.loading import Run, evaluate_on, inference_device, load_run, validation_data
 
 SCORING_BATCH = 8  # sequences per forward of --mc / --text / --tasks unless --batch-size says otherwise
 
@@ -72,25 +72,6 @@ class EvalRequest(Config):
             raise ConfigError(f"--tasks must be a comma-separated list, got {self.tasks!r}")
 
 
-def check_device(name: str | None):  # -> torch.device | None
-    """``--device`` parsed and probed with an empty tensor: a malformed name, a device type this torch was
-    built without, CUDA with no GPU present or an index past the last GPU is one ConfigError naming it. Not
-    given: the GPU where one is visible (as ``train``'s ``auto`` and lm-eval's HF backend), else None (the CPU,
-    where the run loads)."""
-    import torch
-
-    if name is None:
-        return torch.device("cuda") if torch.cuda.is_available() else None
-    try:
-        device = torch.device(name)
-        torch.empty(0, device=device)
-        if device.type == "meta":
-            raise ValueError("the meta device holds shapes, no numbers")
-    except (RuntimeError, AssertionError, ValueError) as e:  # AssertionError: "Torch not compiled with CUDA"
-        raise ConfigError(f"--device={name!r} cannot be used here: {' '.join(str(e).split())[:200]}") from None
-    return device
-
-
 def task_names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -99,7 +80,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     """Run what ``req`` asks for, print it, write ``req.output`` if set; returns the results dict. Under a
     torchrun of several processes (``--tasks`` only) the ranks share lm-eval's documents; rank 0 prints and
     writes the results of all of them and returns them, the others return an empty dict."""
-    device = check_device(req.device)  # before the minutes of loading, and for every kind of evaluation
+    device = inference_device(req.device)  # before the minutes of loading, and for every kind of evaluation
     from hybridnorm.train.distributed import launched_world
 
     if (world := launched_world()) > 1:
