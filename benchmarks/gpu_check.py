@@ -11,7 +11,8 @@ checks an earlier sitting of the same commit finished and runs the rest):
 environment         torch / CUDA / GPU / transformers versions and the code commit (always passes)
 numerics            tiny model, 20 steps, identical weights and batches: device fp32 (TF32 off) vs CPU float64,
                     device bf16 vs device fp32, each within a bound taken from the CPU's own gap (steps file)
-cuda_tests          ``pytest -m cuda`` over ``gpu_check_steps.CUDA_TEST_FILES`` (parity, float8, host sync, profiler)
+cuda_tests          ``pytest -m cuda`` over ``gpu_check_steps.CUDA_TEST_FILES`` (parity, float8, host sync,
+                    profiler, the current device, generate on the GPU)
 train_*             the README's "1 GPU" ``hybridnorm train`` (bf16, compile) for HybridNorm* and Pre-Norm,
                     ± activation checkpointing, at fewer steps and micro-batches: graphs, graph breaks and
                     recompiles from the trainer's own metrics, tokens/s, peak memory

@@ -76,3 +76,17 @@ def test_without_a_gpu_the_default_says_so_and_exits_0(tmp_path):
     done = _run("--out", str(tmp_path / "x"), cache=tmp_path, timeout=120)
     assert done.returncode == 0 and "no CUDA GPU here" in done.stdout
     assert not (tmp_path / "x").exists()
+
+
+def test_the_sitting_runs_every_file_that_holds_cuda_tests():
+    """A ``cuda``-marked test in a file the sitting does not list would never run on a GPU: every test file that
+    marks one is in ``gpu_check_steps.CUDA_TEST_FILES``, and every listed file marks one."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("gpu_check_steps", ROOT / "benchmarks" / "gpu_check_steps.py")
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    marked = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
+              if re.search(r"pytest\.mark\.cuda|^@cuda\b", p.read_text(encoding="utf-8"), flags=re.M)}
+    assert marked == set(steps.CUDA_TEST_FILES)
