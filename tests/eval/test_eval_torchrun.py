@@ -107,7 +107,7 @@ def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:
     got = {"rank": lm._rank, "world": lm._world_size,
            "scalar": lm.all_gather(torch.tensor(10 + rank)).tolist(),
            "rows": lm.all_gather(torch.full((2, 3), float(rank))).tolist(),
-           "older": lm.accelerator.gather(torch.tensor(rank)).tolist(),  # lm-eval before 0.4.10
+           "older": lm.accelerator.gather(torch.tensor(rank)).tolist(),  # earlier lm-eval 0.4 releases
            "objects": lm.gather_object({"r": rank}, dst=0)}
     lm.accelerator.wait_for_everyone()
     lm.barrier()

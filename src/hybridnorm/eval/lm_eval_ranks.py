@@ -5,8 +5,8 @@ lm-eval's evaluator does the splitting itself once the model says it is one of s
 the requests of documents r, r + W, r + 2W, ... of every task, the ranks with fewer requests repeat their last
 one so that every rank runs as many (it gathers the counts with ``all_gather``), and each document's metric
 values are gathered on rank 0 (``gather_object``), which alone gets the results; the others get None. This is
-what lm-eval's HF backend does under ``accelerate launch``. lm-eval 0.4.10 and later call the methods below;
-earlier versions call ``lm.accelerator.gather`` / ``.wait_for_everyone()`` and ``torch.distributed``'s
+what lm-eval's HF backend does under ``accelerate launch``. lm-eval 0.4.13 (installed here) calls the methods below;
+earlier 0.4 releases call ``lm.accelerator.gather`` / ``.wait_for_everyone()`` and ``torch.distributed``'s
 ``gather_object`` directly, which :class:`_Collectives` and the joined group serve.
 """
 
