@@ -67,6 +67,27 @@ def test_pairs_equal_the_naive_oracle_and_batching_does_not_matter(model):
         assert greedy == want_greedy
 
 
+def test_one_token_answers_to_one_context_share_one_forward(model):
+    """A question's one-token answers (MMLU-style " A", " B", " C", " D": the same inputs, other targets) are
+    scored from one forward of the context, as lm-eval's HF backend does: as many rows as distinct inputs, and
+    every score still the naive oracle's."""
+    rng = random.Random(7)
+    ctxs = [[EOT, *_rand_ids(rng, rng.randint(1, 20))] for _ in range(5)]
+    pairs = [(c, [a]) for c in ctxs for a in b" ABCD"] + [(ctxs[0], list(b" A"))]
+    rows: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    try:
+        got = loglikelihood(model, pairs, batch_size=4)
+    finally:
+        handle.remove()
+    assert sum(rows) == 6  # 5 contexts + the two-token answer's own inputs (not 26)
+    for (ctx, cont), (ll, greedy) in zip(pairs, got, strict=True):
+        want_ll, want_greedy = naive_pair(model, ctx, cont)
+        assert ll == pytest.approx(want_ll, rel=1e-5, abs=1e-5)
+        assert greedy == want_greedy
+    assert len({ll for ll, _ in got[:5]}) == 5  # other targets, other scores
+
+
 def test_long_context_is_left_truncated_to_fit_the_window(model):
     rng = random.Random(2)
     ctx, cont = [EOT, *_rand_ids(rng, 100)], _rand_ids(rng, 7)

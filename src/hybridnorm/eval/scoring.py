@@ -21,7 +21,8 @@ Conventions, chosen to match lm-eval's HF backend (``HFLM``) so that numbers are
   tokens: they are dropped before the softmax and can never be the greedy choice.
 
 Batches are right-padded: a causal model's logits at a position never depend on later positions, so the
-padding needs no attention mask. Windows are sorted longest first (as lm-eval does) to waste little padding.
+padding needs no attention mask. Windows are sorted longest first (as lm-eval does) to waste little padding,
+and windows with the same inputs (one-token answers to one question) share one forward.
 """
 
 from __future__ import annotations
@@ -93,20 +94,26 @@ def score_windows(model: TransformerLM, wins: Sequence[Window], batch_size: int 
             raise ValueError(f"bad window: {len(w.inputs)} inputs, {len(w.targets)} targets, "
                              f"max_seq_len={max_len}")
     device = model.embed.weight.device
-    order = sorted(range(len(wins)), key=lambda i: -len(wins[i].inputs))
+    # windows with the same inputs share one forward: a question's one-token answers (" A", " B", ...) are
+    # scored from the same logits, as lm-eval's HF backend does, instead of one row each
+    sharing: dict[tuple[int, ...], list[int]] = {}
+    for i, w in enumerate(wins):
+        sharing.setdefault(tuple(w.inputs), []).append(i)
+    order = sorted(sharing, key=len, reverse=True)  # longest first: little padding
     out: list[tuple[float, bool]] = [(0.0, True)] * len(wins)
     for lo in range(0, len(order), batch_size):
         chunk = order[lo:lo + batch_size]
-        ids = torch.zeros(len(chunk), len(wins[chunk[0]].inputs), dtype=torch.long)  # (B, T), right-padded
-        for row, i in enumerate(chunk):
-            ids[row, :len(wins[i].inputs)] = torch.tensor(wins[i].inputs)
+        ids = torch.zeros(len(chunk), len(chunk[0]), dtype=torch.long)  # (B, T), right-padded
+        for row, inputs in enumerate(chunk):
+            ids[row, :len(inputs)] = torch.tensor(inputs)
         logits = model(ids.to(device))  # (B, T, V_emb)
-        for row, i in enumerate(chunk):
-            n_in, n_tgt = len(wins[i].inputs), len(wins[i].targets)
-            logp = logits[row, n_in - n_tgt:n_in, :vocab].float().log_softmax(-1)  # (n_tgt, vocab)
-            tgt = torch.tensor(wins[i].targets, device=device)  # (n_tgt,)
-            ll = logp.gather(-1, tgt[:, None]).double().sum().item()
-            out[i] = (ll, bool((logp.argmax(-1) == tgt).all()))
+        for row, inputs in enumerate(chunk):
+            for i in sharing[inputs]:
+                n_in, n_tgt = len(inputs), len(wins[i].targets)
+                logp = logits[row, n_in - n_tgt:n_in, :vocab].float().log_softmax(-1)  # (n_tgt, vocab)
+                tgt = torch.tensor(wins[i].targets, device=device)  # (n_tgt,)
+                ll = logp.gather(-1, tgt[:, None]).double().sum().item()
+                out[i] = (ll, bool((logp.argmax(-1) == tgt).all()))
     return out
 
 
