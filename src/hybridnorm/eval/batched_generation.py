@@ -27,7 +27,7 @@ import torch
 
 from hybridnorm.data.tokenizer import Tokenizer, with_start
 from hybridnorm.errors import ConfigError
-from hybridnorm.eval.scoring import GREEDY, cut_at_stop, generate_until
+from hybridnorm.eval.scoring import GREEDY, cut_at_stop, generate_until, shows_stop
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.sampling import Sampling
 
@@ -78,7 +78,7 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
             seen[torch.arange(len(active), device=device), nxt] = True
         for b, tok, stop in zip(active, nxt.tolist(), newly.tolist(), strict=True):  # a host sync a token
             emitted[b].append(tok)
-            if replies[b] is None and (stop or _shows_stop(tokenizer, emitted[b], strings)):
+            if replies[b] is None and (stop or shows_stop(tokenizer, emitted[b], strings)):
                 replies[b] = emitted[b][:-1] if stop else list(emitted[b])
             for s, look in tracked.items():
                 shown[s][b] = shown[s][b] or s in tokenizer.decode(emitted[b][-look:])
@@ -95,14 +95,6 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
                        attention_mask=None if mask is None else mask[:, :P + step + 1])[:, -1]
     return [cut_at_stop(tokenizer.decode(emitted[b] if r is None else r, skip_special_tokens=True), until)
             for b, r in enumerate(replies)]
-
-
-def _shows_stop(tokenizer: Tokenizer, reply: list[int], strings: Sequence[str]) -> bool:
-    """The plain twin's rule: a stop string in the reply's text, special tokens included."""
-    if not strings:
-        return False
-    text = tokenizer.decode(reply)
-    return any(s in text for s in strings)
 
 
 def _batch_ends(replies: list[list[int] | None], ended: torch.Tensor, shown: dict[str, list[bool]],

@@ -175,6 +175,16 @@ def cut_at_stop(text: str, until: Sequence[str]) -> str:
     return text[:cut]
 
 
+def shows_stop(tokenizer: Tokenizer, reply: Sequence[int], until: Sequence[str]) -> bool:
+    """Whether the reply's text, special tokens included, holds a non-empty stop string: where a reply ends
+    (the text itself is cut by :func:`cut_at_stop`)."""
+    strings = [s for s in until if s]
+    if not strings:
+        return False
+    text = tokenizer.decode(list(reply))
+    return any(s in text for s in strings)
+
+
 def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
                  max_gen_toks: int = 256, stop_ids: Sequence[int] = ()) -> str:
     """:func:`generate_until` decoding greedily."""
@@ -219,10 +229,8 @@ def generate_until(model: TransformerLM, tokenizer: Tokenizer, context: str, unt
         out.append(nxt)
         if seen is not None:
             seen[0, nxt] = True
-        if until:
-            text = tokenizer.decode(out)
-            if any(stop and stop in text for stop in until):
-                break
+        if shows_stop(tokenizer, out, until):
+            break
         if cache.pos >= max_len:  # the window is full: continue from its last half
             logits, cache = prefill([*ids, *out][-(max_len // 2):])
         else:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,10 +87,10 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
             raise ConfigError(f"under torchrun ({world} processes) hybridnorm eval splits lm-eval --tasks across "
                               "them; --mc, --text and the validation loss run in one process: run them without "
                               "torchrun")
-        from hybridnorm.eval.lm_eval_ranks import RANK_WAIT_S
+        from hybridnorm.eval.lm_eval_ranks import RANK_WAIT_S, launched_local_rank
         from hybridnorm.train.distributed import init_distributed, leave, resolve_device
 
-        device = resolve_device(req.device or "auto", int(os.environ.get("LOCAL_RANK", "0")))  # this rank's GPU
+        device = resolve_device(req.device or "auto", launched_local_rank())  # this rank's GPU
         init_distributed(device, RANK_WAIT_S)  # which makes it the current device
         out = _run_eval(req, device)
         leave()  # only after success: a rank that failed exits, and the others' collectives fail with it
