@@ -96,8 +96,10 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     e.add_argument("--data", help="corpus (default: the run's own validation split)")
     e.add_argument("--batches", type=int, help="validation loss: score N batches of --batch-size (default: the "
                    "windows the run's training validated on, eval_batches x global_batch, so the loss is its log's)")
-    e.add_argument("--batch-size", type=int, help="default: the run's batch_size for the validation loss, 8 for "
-                   "--mc/--text/--tasks")
+    e.add_argument("--batch-size", metavar="N|auto|auto:N", help="default: the run's batch_size for the validation "
+                   "loss, 8 for --mc/--text/--tasks; auto (those three): the largest that fits in memory, from "
+                   "--max-batch-size down, as lm-eval's; auto:N finds it N times as the scored windows get shorter")
+    e.add_argument("--max-batch-size", type=int, help="where --batch-size auto starts (default 64)")
     e.add_argument("--seq-len", type=int)
     e.add_argument("--mc", metavar="FILE.jsonl",
                    help="zero-shot multiple choice on HellaSwag-style JSONL (context, endings, label): acc, acc_norm")

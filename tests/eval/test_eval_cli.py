@@ -47,6 +47,24 @@ def test_eval_mc_and_text_print_a_table_and_write_json(run_dir, model, tok, tmp_
     assert res["text"]["n_tokens"] == ppl.n_tokens
 
 
+def test_batch_size_auto_finds_a_size_and_scores_as_a_fixed_one(run_dir, tmp_path, capsys):
+    """``--batch-size auto`` for --mc and --text: the table of the default batch size, and a note of the sizes
+    found (from --max-batch-size down; the tiny model fits at once here)."""
+    mc_file = write_jsonl(tmp_path / "questions.jsonl", QUESTIONS)
+    text_file = tmp_path / "psalm.txt"
+    text_file.write_text("the lord said unto moses and aaron, go forth into a land of milk and honey\n" * 3,
+                         encoding="utf-8")
+    base = ["eval", str(run_dir), "--mc", str(mc_file), "--text", str(text_file)]
+    assert cli.main(base) == 0
+    fixed = capsys.readouterr().out
+    assert cli.main([*base, "--batch-size", "auto:2", "--max-batch-size", "5"]) == 0
+    auto = capsys.readouterr().out
+    # mc: 6 windows, sized twice (auto:2: the first batch, and the second, which starts past half of them);
+    # text: 5 windows, one batch, sized once
+    assert "batch sizes found by --batch-size auto:2: 5, 5, 5" in auto, auto
+    assert [ln for ln in auto.splitlines() if "batch sizes" not in ln] == fixed.splitlines()
+
+
 def test_eval_tasks_finds_the_shipped_task_from_any_directory(run_dir, model, tok, tmp_path, capsys, monkeypatch):
     pytest.importorskip("lm_eval", reason="lm_eval is not installed: --tasks needs pip install 'hybridnorm[eval]'")
     monkeypatch.chdir(tmp_path)
@@ -98,6 +116,14 @@ BAD = {
     "text missing": (lambda t: ["--text", str(t / "none.txt")], ["none.txt", "does not exist"], False),
     "include path without tasks": (lambda t: ["--include-path", str(t)], ["--include-path", "--tasks"], False),
     "limit zero": (lambda t: ["--mc", "x.jsonl", "--limit", "0"], ["--limit"], False),
+    "batch size not a number": (lambda t: ["--mc", "x.jsonl", "--batch-size", "big"],
+                                ["--batch-size='big'", "positive integer, 'auto' or 'auto:N'"], False),
+    "batch size auto for the validation loss": (lambda t: ["--batch-size", "auto"],
+                                                ["--batch-size auto", "--mc, --text and --tasks"], False),
+    "max batch size without auto": (lambda t: ["--mc", "x.jsonl", "--max-batch-size", "4"],
+                                    ["--max-batch-size", "--batch-size auto"], False),
+    "max batch size zero": (lambda t: ["--mc", "x.jsonl", "--batch-size", "auto", "--max-batch-size", "0"],
+                            ["--max-batch-size=0", ">= 1"], False),
     "bad device": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--device", "gpu9"],
                    ["--device", "gpu9"], False),
     "include path missing": (lambda t: ["--tasks", "kjv_mc", "--include-path", str(t / "nowhere")],

@@ -105,8 +105,9 @@ def test_registered_model_builds_from_model_args(lm_eval, run_dir):
     assert lm.batch_size == 4 and str(lm.device) == "cpu" and lm.run.run_dir == run_dir
     with pytest.raises(ConfigError, match="unknown hybridnorm model_args 'dtype'"):
         cls.create_from_arg_string(f"pretrained={run_dir},dtype=bf16")
-    with pytest.raises(ConfigError, match="batch_size='auto'"):
-        cls(run_dir, batch_size="auto")
+    assert cls(run_dir, batch_size="auto").batch_size == "auto"  # tests/eval/test_eval_auto_batch.py
+    with pytest.raises(ConfigError, match="batch_size='auto:none'"):
+        cls(run_dir, batch_size="auto:none")
 
 
 def test_unknown_tasks_and_bad_include_paths_are_config_errors(lm_eval, run_dir, tmp_path):

@@ -33,6 +33,7 @@ import torch
 
 from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
+from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
 from hybridnorm.eval.batched_generation import generate_until_batch
 from hybridnorm.eval.lm_eval_ranks import RankedLM, launched_local_rank
 from hybridnorm.eval.paths import TASKS_DIR
@@ -78,8 +79,9 @@ def _positive_int(value: object, name: str) -> int:
 class HybridNormLM(RankedLM, _LMBase):
     """An lm-eval ``LM`` over a hybridnorm run: ``pretrained`` is a run folder, a ``checkpoints/step_*``
     folder, or a loaded :class:`~hybridnorm.loading.Run`. ``device`` defaults to CUDA when available
-    for a run loaded here and to the model's current device for a given ``Run``. ``max_batch_size`` (which
-    lm-eval passes along with ``batch_size``) is accepted and ignored: batches are fixed-size.
+    for a run loaded here and to the model's current device for a given ``Run``. ``batch_size``: rows per
+    forward, or ``"auto"`` / ``"auto:N"`` (the largest that fits, from ``max_batch_size``, default 64, down;
+    :mod:`~hybridnorm.eval.auto_batch`), as lm-eval's HF backend takes them.
     ``chat_template``: the name of the run's chat template that ``apply_chat_template`` renders (checked
     when lm-eval first asks for it; the run's ``default`` when not given). ``chat_template_args`` (a dict, or
     its JSON) and ``enable_thinking=False`` are extra template variables, as HFLM's; ``enable_thinking=True``
@@ -96,7 +98,8 @@ class HybridNormLM(RankedLM, _LMBase):
         super().__init__()
         if kwargs:
             raise ConfigError(f"unknown hybridnorm model_args {', '.join(map(repr, kwargs))}; valid: pretrained, "
-                              f"batch_size, device, max_gen_toks, chat_template, chat_template_args, enable_thinking")
+                              f"batch_size, max_batch_size, device, max_gen_toks, chat_template, chat_template_args, "
+                              f"enable_thinking")
         self.chat_template_name = chat_template
         self.chat_template_args = chat_templates.template_args(chat_template_args, "chat_template_args")
         if enable_thinking is not None:
@@ -106,9 +109,12 @@ class HybridNormLM(RankedLM, _LMBase):
                                   f"this adapter does not); chat_template_args passes any template variable as is")
             self.chat_template_args["enable_thinking"] = False
         self._chat: Any = None  # the run's ChatFormatter, built on first use
+        spec = BatchSize.parse(batch_size)  # bad values: before the minutes of loading
+        max_batch = MAX_BATCH if max_batch_size is None else _positive_int(max_batch_size, "max_batch_size")
         run = pretrained if isinstance(pretrained, Run) else load_run(pretrained)
         self.run, self.model, self.tokenizer = run, run.model, run.tokenizer
-        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.batch_size: int | str = spec.rows or str(spec)  # as given: what lm-eval records
+        self.rows = AutoBatch(self.model, spec, max_batch)
         self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
         if device is None:
             device = str(self.model.embed.weight.device) if isinstance(pretrained, Run) else \
@@ -153,6 +159,11 @@ class HybridNormLM(RankedLM, _LMBase):
                           "backend does)", stacklevel=2)
             return self._chat([m for m in chat_history if m["role"] != "system"], **kwargs)
 
+    @property
+    def batch_sizes(self) -> dict[int, int]:
+        """The batch sizes ``batch_size="auto"`` detected, in order (``results["config"]["batch_sizes"]``)."""
+        return dict(enumerate(self.rows.sizes))
+
     def get_model_info(self) -> dict[str, Any]:
         """Provenance that ``simple_evaluate`` copies into ``results["config"]``."""
         return {"model_num_parameters": self.model.num_params(), "model_dtype": str(self.model.embed.weight.dtype),
@@ -161,14 +172,14 @@ class HybridNormLM(RankedLM, _LMBase):
 
     def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [encode_pair(self.tokenizer, req.args[0], req.args[1]) for req in requests]
-        out = loglikelihood(self.model, pairs, self.batch_size)
+        out = loglikelihood(self.model, pairs, self.rows.scoring())
         for req, res in zip(requests, out, strict=True):
             self.cache_hook.add_partial("loglikelihood", req.args, res)
         return out
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         docs = self.tokenizer.encode_batch([req.args[0] for req in requests])
-        out = loglikelihood_rolling(self.model, docs, self.tokenizer.start_id, self.batch_size)
+        out = loglikelihood_rolling(self.model, docs, self.tokenizer.start_id, self.rows.scoring())
         for req, res in zip(requests, out, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, res)
         return out
@@ -188,7 +199,7 @@ class HybridNormLM(RankedLM, _LMBase):
         order = Collator([req.args for req in requests], sort_fn=lambda a: (-len(self.tokenizer.encode(a[0])), a[0]),
                          group_by="gen_kwargs", group_fn=lambda a: a[1])
         out = []
-        for chunk in order.get_batched(n=self.batch_size):
+        for chunk in order.get_batched(n=self.rows.generation()):
             contexts, all_kwargs = zip(*chunk, strict=True)
             kwargs = dict(all_kwargs[0] or {})  # one group: the same kwargs for the whole chunk
             until = kwargs.get("until") or []
@@ -258,14 +269,15 @@ def task_manager(tasks: Sequence[str], include_path: str | Path | Sequence[str |
 
 def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Sequence[str],
                 include_path: str | Path | Sequence[str | Path] | None = None, limit: int | None = None,
-                num_fewshot: int | None = None, batch_size: int = 8, *, include_defaults: bool | None = None,
-                log_samples: bool = False, bootstrap_iters: int = 100_000, device: str | None = None,
-                apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
+                num_fewshot: int | None = None, batch_size: int | str = 8, *, max_batch_size: int | None = None,
+                include_defaults: bool | None = None, log_samples: bool = False, bootstrap_iters: int = 100_000,
+                device: str | None = None, apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
                 system_instruction: str | None = None, chat_template_args: dict[str, Any] | str | None = None,
                 seed: int | None = None) -> dict[str, Any] | None:
     """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
     ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
-    the first N documents of each task. ``apply_chat_template`` (True: the run's default chat template; a
+    the first N documents of each task. ``batch_size``: an integer, ``"auto"`` or ``"auto:N"`` (from
+    ``max_batch_size`` down; :class:`HybridNormLM`). ``apply_chat_template`` (True: the run's default chat template; a
     name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's; ``chat_template_args``
     are extra template variables (``{"enable_thinking": False}``, or its JSON). ``seed`` sets lm-eval's four
     seeds (Python, NumPy, torch, few-shot) as ``lm_eval --seed SEED`` does (None: lm-eval's). Returns lm-eval's
@@ -291,7 +303,7 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
     template_args = chat_templates.template_args(chat_template_args, "chat_template_args")
     tm = task_manager(names, include_path, include_defaults)
     lm = run_or_path if isinstance(run_or_path, HybridNormLM) else \
-        HybridNormLM(run_or_path, batch_size=batch_size, device=device)
+        HybridNormLM(run_or_path, batch_size=batch_size, device=device, max_batch_size=max_batch_size)
     if isinstance(apply_chat_template, str):
         lm.chat_template_name = apply_chat_template
     if chat_template_args is not None:
@@ -307,7 +319,8 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                                   system_instruction=system_instruction,
                                   **({} if seed is None else dict(random_seed=seed, numpy_random_seed=seed,
                                                                    torch_random_seed=seed, fewshot_random_seed=seed)),
-                                  batch_size=lm.batch_size, device=str(lm.device))  # recorded in "config" only
+                                  batch_size=lm.batch_size, max_batch_size=lm.rows.max_batch,
+                                  device=str(lm.device))  # recorded in "config" only
     except ConfigError:
         raise
     except (OSError, ValueError, KeyError, ImportError) as e:  # a task's YAML or dataset: bad input, one line

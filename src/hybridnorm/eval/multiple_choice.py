@@ -26,7 +26,7 @@ from typing import Any
 from hybridnorm.data.corpus import jsonl_records
 from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
-from hybridnorm.eval.scoring import loglikelihood_text
+from hybridnorm.eval.scoring import RowRule, loglikelihood_text
 from hybridnorm.nn.model import TransformerLM
 
 TARGET_DELIMITER = " "  # lm-eval's default target_delimiter between context and choice
@@ -148,7 +148,7 @@ def read_mc_jsonl(path: str | Path) -> list[MCItem]:
 
 
 def evaluate_mc(model: TransformerLM, tokenizer: Tokenizer, items: Sequence[MCItem] | str | Path,
-                batch_size: int = 8, limit: int | None = None) -> MCResult:
+                batch_size: int | RowRule = 8, limit: int | None = None) -> MCResult:
     """Zero-shot ``acc`` / ``acc_norm`` of ``model`` on ``items`` (or a JSONL path); ``limit`` keeps the first
     items (lm-eval's ``--limit``). All endings of all items go through one batched scoring call."""
     source = ""

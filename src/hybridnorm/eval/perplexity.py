@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from hybridnorm.data.corpus import SUFFIXES, load_corpus, read_text
 from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
-from hybridnorm.eval.scoring import loglikelihood_rolling
+from hybridnorm.eval.scoring import RowRule, loglikelihood_rolling
 from hybridnorm.nn.model import TransformerLM
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def count_bytes(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def perplexity(model: TransformerLM, tokenizer: Tokenizer, docs: Sequence[str], batch_size: int = 8,
+def perplexity(model: TransformerLM, tokenizer: Tokenizer, docs: Sequence[str], batch_size: int | RowRule = 8,
                source: str = "") -> PerplexityResult:
     """Token perplexity, bits per byte and word perplexity of ``model`` over ``docs`` (each scored alone)."""
     if not docs:
@@ -104,7 +104,7 @@ def read_documents(source: str | Path, text_field: str = "text", max_docs: int |
     return load_corpus(source, val_fraction=0.0, text_field=text_field, max_docs=max_docs).train
 
 
-def perplexity_of_run(run: Run, source: str | Path, batch_size: int = 8, text_field: str = "text",
+def perplexity_of_run(run: Run, source: str | Path, batch_size: int | RowRule = 8, text_field: str = "text",
                       max_docs: int | None = None) -> PerplexityResult:
     """:func:`perplexity` of a loaded run on the documents of ``source`` (see :func:`read_documents`)."""
     docs = read_documents(source, text_field, max_docs)

@@ -27,7 +27,7 @@ and windows with the same inputs (one-token answers to one question) share one f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,8 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.nn.attention import KVCache
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.sampling import Sampling
+
+RowRule = Callable[[int, int, int], int]  # (a batch's longest row, rows done, rows in all) -> rows of the batch
 
 GREEDY = Sampling(temperature=0.0)
 
@@ -84,9 +86,12 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> TokenP
 
 
 @torch.inference_mode()
-def score_windows(model: TransformerLM, wins: Sequence[Window], batch_size: int = 8) -> list[tuple[float, bool]]:
-    """(sum of log p(target), whether every target is the argmax) for each window, in the given order."""
-    if batch_size < 1:
+def score_windows(model: TransformerLM, wins: Sequence[Window], batch_size: int | RowRule = 8,
+                  ) -> list[tuple[float, bool]]:
+    """(sum of log p(target), whether every target is the argmax) for each window, in the given order.
+    ``batch_size``: rows per forward, or a rule giving them from (the batch's longest row, rows done, rows in
+    all): ``batch_size="auto"`` (:class:`~hybridnorm.eval.auto_batch.AutoBatch`)."""
+    if isinstance(batch_size, int) and batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1")
     max_len, vocab = model.config.max_seq_len, model.config.vocab_size
     for w in wins:
@@ -101,8 +106,10 @@ def score_windows(model: TransformerLM, wins: Sequence[Window], batch_size: int 
         sharing.setdefault(tuple(w.inputs), []).append(i)
     order = sorted(sharing, key=len, reverse=True)  # longest first: little padding
     out: list[tuple[float, bool]] = [(0.0, True)] * len(wins)
-    for lo in range(0, len(order), batch_size):
-        chunk = order[lo:lo + batch_size]
+    lo = 0
+    while lo < len(order):
+        rows = batch_size if isinstance(batch_size, int) else batch_size(len(order[lo]), lo, len(order))
+        chunk, lo = order[lo:lo + rows], lo + rows
         ids = torch.zeros(len(chunk), len(chunk[0]), dtype=torch.long)  # (B, T), right-padded
         for row, inputs in enumerate(chunk):
             ids[row, :len(inputs)] = torch.tensor(inputs)
@@ -117,7 +124,7 @@ def score_windows(model: TransformerLM, wins: Sequence[Window], batch_size: int 
     return out
 
 
-def loglikelihood(model: TransformerLM, pairs: Sequence[TokenPair], batch_size: int = 8,
+def loglikelihood(model: TransformerLM, pairs: Sequence[TokenPair], batch_size: int | RowRule = 8,
                   ) -> list[tuple[float, bool]]:
     """(sum log p(continuation | context), whether the continuation is the greedy argmax) per token pair.
 
@@ -138,7 +145,7 @@ def loglikelihood(model: TransformerLM, pairs: Sequence[TokenPair], batch_size: 
 
 
 def loglikelihood_rolling(model: TransformerLM, docs: Sequence[Sequence[int]], prefix_id: int,
-                          batch_size: int = 8) -> list[float]:
+                          batch_size: int | RowRule = 8) -> list[float]:
     """Sum log p(doc) per token list, conditioned on ``prefix_id`` (the tokenizer's ``start_id``), every token
     scored once in disjoint windows — lm-eval's ``loglikelihood_rolling``. An empty document scores 0.0."""
     wins, owner = [], []
@@ -158,13 +165,13 @@ def _combine(scores: list[tuple[float, bool]], owner: list[int], n: int) -> list
 
 
 def loglikelihood_text(model: TransformerLM, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
-                       batch_size: int = 8) -> list[tuple[float, bool]]:
+                       batch_size: int | RowRule = 8) -> list[tuple[float, bool]]:
     """:func:`loglikelihood` of (context, continuation) strings encoded with :func:`encode_pair`."""
     return loglikelihood(model, [encode_pair(tokenizer, c, x) for c, x in pairs], batch_size)
 
 
 def loglikelihood_rolling_text(model: TransformerLM, tokenizer: Tokenizer, texts: Sequence[str],
-                               batch_size: int = 8) -> list[float]:
+                               batch_size: int | RowRule = 8) -> list[float]:
     """:func:`loglikelihood_rolling` of whole strings, each conditioned on the start token only."""
     return loglikelihood_rolling(model, tokenizer.encode_batch(list(texts)), tokenizer.start_id, batch_size)
 

@@ -15,6 +15,7 @@ from typing import Any
 from hybridnorm.config_base import Config, bounded
 from hybridnorm.data import chat_templates, scored_references
 from hybridnorm.errors import ConfigError
+from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
 from hybridnorm.loading import Run, evaluate_on, inference_device, load_run, validation_data
 
@@ -28,7 +29,8 @@ class EvalRequest(Config):
     checkpoint: str
     data: str | None = None            # corpus of the validation loss (default: the run's own)
     batches: int | None = bounded(None, ge=1)     # validation loss: None = the windows training validated on
-    batch_size: int | None = bounded(None, ge=1)  # None: the run's (validation loss), else SCORING_BATCH
+    batch_size: int | str | None = None  # None: the run's (validation loss), else SCORING_BATCH; or auto[:N]
+    max_batch_size: int | None = bounded(None, ge=1)  # where --batch-size auto starts (auto_batch.MAX_BATCH)
     seq_len: int | None = bounded(None, ge=1)
     mc: str | None = None              # HellaSwag-style JSONL
     text: str | None = None            # .txt/.jsonl file, folder, or 'kjv'
@@ -65,10 +67,26 @@ class EvalRequest(Config):
         chat_templates.template_args(self.chat_template_args, "--chat-template-args")  # before the run loads
         if self.text_field is not None and not (self.text or self.data):
             raise ConfigError("--text-field names the text of --text's or --data's records: give one of them")
+        self._check_batch_size()
         if not (self.mc or self.text or self.tasks) and self.limit is not None:
             raise ConfigError("--limit only applies to --mc and --tasks")
         if self.tasks is not None and not task_names(self.tasks):
             raise ConfigError(f"--tasks must be a comma-separated list, got {self.tasks!r}")
+
+
+    def _check_batch_size(self) -> None:
+        """``--batch-size`` N, auto or auto:N (normalized: an int, or the auto text); auto only for scoring."""
+        from hybridnorm.eval.auto_batch import BatchSize
+
+        if self.batch_size is not None:
+            spec = BatchSize.parse(self.batch_size, "--batch-size")
+            object.__setattr__(self, "batch_size", spec.rows or str(spec))
+            if spec.rows is None and not (self.mc or self.text or self.tasks):
+                raise ConfigError("--batch-size auto sizes the scoring batches of --mc, --text and --tasks; the "
+                                  "validation loss takes a number (default: the run's batch_size, which fits "
+                                  "wherever it trained)")
+        if self.max_batch_size is not None and not isinstance(self.batch_size, str):
+            raise ConfigError("--max-batch-size is where --batch-size auto starts: give --batch-size auto")
 
 
 def task_names(text: str) -> list[str]:
@@ -104,21 +122,22 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
         run.model.to(device)
     if not (req.mc or req.text or req.tasks):
         return _validation_loss(run, req)
-    rows: list = []
+    table: list = []
     notes: list[str] = []
     out: dict[str, Any] = {"checkpoint": str(run.checkpoint)}
     scoring_batch = req.batch_size or SCORING_BATCH  # --mc / --text / --tasks
+    sizer = AutoBatch(run.model, BatchSize.parse(scoring_batch), req.max_batch_size or MAX_BATCH)
     if req.mc:
         from hybridnorm.eval.multiple_choice import evaluate_mc
 
-        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=scoring_batch, limit=req.limit)
-        rows += mc_rows(mc, f"mc:{Path(req.mc).name}")
+        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=sizer.scoring(), limit=req.limit)
+        table += mc_rows(mc, f"mc:{Path(req.mc).name}")
         out["mc"] = mc.to_dict(per_item=True)
     if req.text:
         from hybridnorm.eval.perplexity import perplexity_of_run
 
-        ppl = perplexity_of_run(run, req.text, batch_size=scoring_batch, text_field=req.text_field or "text")
-        rows += perplexity_rows(ppl, f"text:{Path(req.text).name}")
+        ppl = perplexity_of_run(run, req.text, batch_size=sizer.scoring(), text_field=req.text_field or "text")
+        table += perplexity_rows(ppl, f"text:{Path(req.text).name}")
         notes.append(f"text: {ppl.n_docs:,} documents, {ppl.n_tokens:,} tokens, {ppl.n_bytes:,} bytes, "
                      f"{ppl.n_words:,} words")
         out["text"] = ppl.to_dict()
@@ -128,17 +147,20 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
         if not req.debug:  # lm-eval's per-task warnings would bury the table (and a one-line error)
             logging.getLogger("lm_eval").setLevel(logging.ERROR)
         res = run_lm_eval(run, task_names(req.tasks), include_path=req.include_path, limit=req.limit,
-                          num_fewshot=req.num_fewshot, batch_size=scoring_batch,
+                          num_fewshot=req.num_fewshot, batch_size=scoring_batch, max_batch_size=sizer.max_batch,
                           apply_chat_template=req.apply_chat_template or False,
                           fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction,
                           chat_template_args=req.chat_template_args, seed=req.seed)  # JSON, checked by check()
         if res is None:  # another rank's share of a data-parallel evaluation: rank 0 reports it
             return {}
-        rows += metric_rows(res)
+        sizer.sizes += res["config"].get("batch_sizes") or []
+        table += metric_rows(res)
         if req.apply_chat_template or req.system_instruction is not None:
             notes.append(f"lm-eval prompts: {_prompt_note(res['config'])}")
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
-    print_results(rows, f"{run.checkpoint}", notes)
+    if sizer.sizes:
+        notes.append(f"batch sizes found by --batch-size {scoring_batch}: {', '.join(map(str, sizer.sizes))}")
+    print_results(table, f"{run.checkpoint}", notes)
     if req.output:
         print(f"results: {write_json(req.output, out)}")
     return out
