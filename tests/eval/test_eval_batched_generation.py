@@ -113,3 +113,16 @@ def test_every_kind_of_block_gives_the_reply_alone(tok, overrides):
     alone = [generate_until(model, tok, c, (".",), 12) for c in CONTEXTS]
     assert len(set(alone)) > 1
     assert batched(model, tok, CONTEXTS, 4, (".",), 12) == alone
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch_size", [3, 7])
+def test_on_a_gpu_a_batch_gives_the_cpu_replies_alone(model64, tok, batch_size):
+    """The batch on CUDA (float64, its left-padded attention through CUDA's kernels) == the plain twin on the
+    CPU, one request at a time: greedy, with stop strings, and with the repetition penalty."""
+    gpu = copy.deepcopy(model64).cuda()
+    penalized = Sampling(temperature=0.0, repetition_penalty=1.8)
+    for until, sampling in (((), Sampling(temperature=0.0)), ((" ", "th"), Sampling(temperature=0.0)),
+                            ((".",), penalized)):
+        alone = [generate_until(model64, tok, c, until, 17, sampling=sampling) for c in CONTEXTS]
+        assert batched(gpu, tok, CONTEXTS, batch_size, until, 17, sampling=sampling) == alone
