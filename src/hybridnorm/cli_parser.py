@@ -124,8 +124,12 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     e.add_argument("--seed", type=int, help="lm-eval's seeds (Python, NumPy, torch: sampled generation; few-shot "
                                             "picks) all set to SEED, as lm_eval --seed SEED (default: lm-eval's "
                                             "0,1234,1234,1234)")
+    e.add_argument("--gen-kwargs", metavar="K=V,...", help="lm-eval generation settings for every generation task, "
+                   "over each task's own, as lm_eval --gen_kwargs (e.g. do_sample=true,temperature=0.7)")
     e.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when a GPU is visible, else the CPU)")
     e.add_argument("--output", metavar="FILE.json", help="also write all results (per item for --mc) as JSON")
+    e.add_argument("--log-samples", action="store_true", help="with --tasks and --output: every document's prompt, "
+                   "responses and metrics, one JSONL file per task beside FILE.json, as lm_eval --log_samples")
     e.set_defaults(func=commands["eval"])
 
     x = sub.add_parser("export", parents=[common], help="export a run or checkpoint as a Hugging Face model folder",

@@ -32,7 +32,7 @@ TASKS = {
 def test_two_ranks_report_what_one_process_reports(run_dir: Path, tmp_path: Path) -> None:
     tasks = task_folder(tmp_path, TASKS)
     args = ["eval", str(run_dir), "--tasks", "kjv_mc,tr_roll,tr_gen", "--include-path", str(tasks),
-            "--limit", "7", "--batch-size", "2"]
+            "--limit", "7", "--batch-size", "2", "--log-samples"]
     one = tmp_path / "one.json"
     cli_in_process(*args, "--output", str(one))
     two = tmp_path / "two.json"
@@ -40,7 +40,9 @@ def test_two_ranks_report_what_one_process_reports(run_dir: Path, tmp_path: Path
     proc = run_bounded([*TORCHRUN, "--nproc_per_node", "2", "-m", "hybridnorm.cli", *args, "--output", str(two)],
                        300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("results: ") == 1 and proc.stdout.count("kjv_mc") == 2  # rank 0 alone prints
+    # rank 0 alone prints: the results line, the samples line (naming one file a task), two kjv_mc table rows
+    assert proc.stdout.count("results: ") == proc.stdout.count("samples: ") == 1
+    assert proc.stdout.count("kjv_mc") == 3
     a, b = (json.loads(p.read_text())["lm_eval"] for p in (one, two))
     assert a["n-samples"] == b["n-samples"] == {t: {"original": n, "effective": 7} for t, n in
                                                 (("tr_gen", 7), ("tr_roll", 7), ("kjv_mc", 200))}
@@ -51,6 +53,12 @@ def test_two_ranks_report_what_one_process_reports(run_dir: Path, tmp_path: Path
             if "stderr" not in k and isinstance(v, float):  # the bootstrap's draws differ; the values must not
                 assert got[k] == pytest.approx(v, rel=1e-6), (task, k)
     assert 0 < a["results"]["kjv_mc"]["acc,none"] < 1 and a["results"]["tr_roll"]["word_perplexity,none"] > 1
+    for task in ("kjv_mc", "tr_roll", "tr_gen"):  # --log-samples: rank 0 writes every rank's documents
+        recs = [sorted((json.loads(line) for line in (tmp_path / f"{name}_samples_{task}.jsonl").read_text(
+            encoding="utf-8").splitlines()), key=lambda r: r["doc_id"]) for name in ("one", "two")]
+        assert [r["doc_id"] for r in recs[0]] == [r["doc_id"] for r in recs[1]] == list(range(7)), task
+        if task == "tr_gen":  # greedy replies: the same on either rank
+            assert [r["filtered_resps"] for r in recs[0]] == [r["filtered_resps"] for r in recs[1]]
 
 
 SCRIPT = """

@@ -273,14 +273,16 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                 include_defaults: bool | None = None, log_samples: bool = False, bootstrap_iters: int = 100_000,
                 device: str | None = None, apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
                 system_instruction: str | None = None, chat_template_args: dict[str, Any] | str | None = None,
-                seed: int | None = None) -> dict[str, Any] | None:
+                seed: int | None = None, gen_kwargs: str | dict[str, Any] | None = None) -> dict[str, Any] | None:
     """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
     ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
     the first N documents of each task. ``batch_size``: an integer, ``"auto"`` or ``"auto:N"`` (from
     ``max_batch_size`` down; :class:`HybridNormLM`). ``apply_chat_template`` (True: the run's default chat template; a
     name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's; ``chat_template_args``
     are extra template variables (``{"enable_thinking": False}``, or its JSON). ``seed`` sets lm-eval's four
-    seeds (Python, NumPy, torch, few-shot) as ``lm_eval --seed SEED`` does (None: lm-eval's). Returns lm-eval's
+    seeds (Python, NumPy, torch, few-shot) as ``lm_eval --seed SEED`` does (None: lm-eval's). ``gen_kwargs``
+    (``"do_sample=true,temperature=0.7"`` or a dict) update every generation task's ``generation_kwargs``, as
+    ``lm_eval --gen_kwargs`` does (lm-eval applies them). Returns lm-eval's
     results dict (``results``, ``n-samples``, ``config``, ... and ``samples`` when ``log_samples``); in a joined
     process group of several ranks (``torchrun``) the documents are split across the ranks, and rank 0 gets
     the results of all of them, every other rank None."""
@@ -301,6 +303,9 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
     if chat_template_args is not None and not apply_chat_template:
         raise ConfigError("chat_template_args needs apply_chat_template (they are the template's variables)")
     template_args = chat_templates.template_args(chat_template_args, "chat_template_args")
+    if isinstance(gen_kwargs, str) and (bad := [p for p in gen_kwargs.split(",") if p.strip() and "=" not in p]):
+        raise ConfigError(f"gen_kwargs={gen_kwargs!r}: {bad[0].strip()!r} is not key=value (expected key=value "
+                          f"pairs separated by commas, as lm_eval --gen_kwargs)")
     tm = task_manager(names, include_path, include_defaults)
     lm = run_or_path if isinstance(run_or_path, HybridNormLM) else \
         HybridNormLM(run_or_path, batch_size=batch_size, device=device, max_batch_size=max_batch_size)
@@ -316,7 +321,7 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
                                   log_samples=log_samples, bootstrap_iters=bootstrap_iters,
                                   apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
-                                  system_instruction=system_instruction,
+                                  system_instruction=system_instruction, gen_kwargs=gen_kwargs,
                                   **({} if seed is None else dict(random_seed=seed, numpy_random_seed=seed,
                                                                    torch_random_seed=seed, fewshot_random_seed=seed)),
                                   batch_size=lm.batch_size, max_batch_size=lm.rows.max_batch,

@@ -73,3 +73,29 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     except OSError as e:
         raise ConfigError(f"cannot write --output {path}: {e.strerror or e}") from None
     return path
+
+
+def write_samples(output: str | Path, samples: dict[str, list[dict[str, Any]]]) -> list[Path]:
+    """lm-eval's per-document records (``simple_evaluate(log_samples=True)["samples"]``), one JSONL file per task
+    beside ``output`` (``r.json`` -> ``r_samples_TASK.jsonl``), each line as ``lm_eval --log_samples`` writes it
+    (its ``EvaluationTracker``'s sanitizing: a request's arguments as ``gen_args_i.arg_j``, responses as plain
+    lists, the target as text, so that ``datasets.load_dataset("json", ...)`` reads the file); each written
+    atomically, a failure one error naming the file."""
+    from lm_eval.utils import handle_non_serializable, sanitize_list
+
+    output, written = Path(output), []
+    for task, records in samples.items():
+        path = output.with_name(f"{output.stem}_samples_{task}.jsonl")
+        try:
+            with atomic_file(path) as f:
+                for record in records:
+                    record = {**record, "resps": sanitize_list(record["resps"]),
+                              "filtered_resps": sanitize_list(record["filtered_resps"]),
+                              "target": str(record["target"]),
+                              "arguments": {f"gen_args_{i}": {f"arg_{j}": a for j, a in enumerate(args)}
+                                            for i, args in enumerate(record["arguments"])}}
+                    f.write(json.dumps(record, default=handle_non_serializable, ensure_ascii=False) + "\n")
+        except OSError as e:
+            raise ConfigError(f"cannot write --log-samples file {path}: {e.strerror or e}") from None
+        written.append(path)
+    return written

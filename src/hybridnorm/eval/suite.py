@@ -16,7 +16,7 @@ from hybridnorm.config_base import Config, bounded
 from hybridnorm.data import chat_templates, scored_references
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
-from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json
+from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json, write_samples
 from hybridnorm.loading import Run, evaluate_on, inference_device, load_run, validation_data
 
 SCORING_BATCH = 8  # sequences per forward of --mc / --text / --tasks unless --batch-size says otherwise
@@ -44,8 +44,10 @@ class EvalRequest(Config):
     system_instruction: str | None = None
     chat_template_args: str | None = None  # JSON object of template variables
     seed: int | None = bounded(None, ge=0, le=2**32 - 1)  # lm-eval's four seeds (None: lm-eval's); NumPy's bound
+    gen_kwargs: str | None = None      # lm-eval's --gen_kwargs: key=value,... over every generation task's own
     device: str | None = None
     output: str | None = None          # also write the results as JSON
+    log_samples: bool = False          # lm-eval's per-document records, a JSONL file per task beside output
     debug: bool = False                # keep lm-eval's own warnings
 
     @classmethod
@@ -56,7 +58,8 @@ class EvalRequest(Config):
         lm_eval_only = {"--include-path": self.include_path, "--num-fewshot": self.num_fewshot is not None,
                         "--apply-chat-template": self.apply_chat_template, "--system-instruction":
                         self.system_instruction is not None, "--fewshot-as-multiturn": self.fewshot_as_multiturn,
-                        "--chat-template-args": self.chat_template_args is not None, "--seed": self.seed is not None}
+                        "--chat-template-args": self.chat_template_args is not None, "--seed": self.seed is not None,
+                        "--gen-kwargs": self.gen_kwargs is not None, "--log-samples": self.log_samples}
         if not self.tasks and any(lm_eval_only.values()):
             raise ConfigError(f"{', '.join(k for k, v in lm_eval_only.items() if v)}: only for lm-eval tasks "
                               f"(--tasks a,b)")
@@ -68,6 +71,8 @@ class EvalRequest(Config):
         if self.text_field is not None and not (self.text or self.data):
             raise ConfigError("--text-field names the text of --text's or --data's records: give one of them")
         self._check_batch_size()
+        if self.log_samples and not self.output:
+            raise ConfigError("--log-samples writes its files beside --output FILE.json: give --output")
         if not (self.mc or self.text or self.tasks) and self.limit is not None:
             raise ConfigError("--limit only applies to --mc and --tasks")
         if self.tasks is not None and not task_names(self.tasks):
@@ -124,6 +129,7 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
         return _validation_loss(run, req)
     table: list = []
     notes: list[str] = []
+    samples = None
     out: dict[str, Any] = {"checkpoint": str(run.checkpoint)}
     scoring_batch = req.batch_size or SCORING_BATCH  # --mc / --text / --tasks
     sizer = AutoBatch(run.model, BatchSize.parse(scoring_batch), req.max_batch_size or MAX_BATCH)
@@ -150,7 +156,8 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
                           num_fewshot=req.num_fewshot, batch_size=scoring_batch, max_batch_size=sizer.max_batch,
                           apply_chat_template=req.apply_chat_template or False,
                           fewshot_as_multiturn=req.fewshot_as_multiturn, system_instruction=req.system_instruction,
-                          chat_template_args=req.chat_template_args, seed=req.seed)  # JSON, checked by check()
+                          chat_template_args=req.chat_template_args, seed=req.seed,  # JSON, checked by check()
+                          gen_kwargs=req.gen_kwargs, log_samples=req.log_samples)
         if res is None:  # another rank's share of a data-parallel evaluation: rank 0 reports it
             return {}
         sizer.sizes += res["config"].get("batch_sizes") or []
@@ -158,11 +165,14 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
         if req.apply_chat_template or req.system_instruction is not None:
             notes.append(f"lm-eval prompts: {_prompt_note(res['config'])}")
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
+        samples = res.get("samples") if req.log_samples else None
     if sizer.sizes:
         notes.append(f"batch sizes found by --batch-size {scoring_batch}: {', '.join(map(str, sizer.sizes))}")
     print_results(table, f"{run.checkpoint}", notes)
     if req.output:
         print(f"results: {write_json(req.output, out)}")
+    if samples is not None:
+        print(f"samples: {', '.join(map(str, write_samples(req.output, samples)))}")
     return out
 
 

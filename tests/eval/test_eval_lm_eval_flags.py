@@ -1,0 +1,111 @@
+"""Two of lm-eval's command-line flags on ``hybridnorm eval --tasks``, each against lm-eval doing the same:
+``--log-samples`` (every document's record, one JSONL file per task: == what lm-eval's own
+``EvaluationTracker.save_results_samples`` writes for the same records, and read back by ``datasets``) and
+``--gen-kwargs`` (== the same settings written into the task's ``generation_kwargs``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from eval_helpers import task_folder
+
+from hybridnorm import cli
+from hybridnorm.errors import ConfigError
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm_eval is not installed: pip install 'hybridnorm[eval]'")
+from hybridnorm.eval.lm_eval_adapter import run_lm_eval  # noqa: E402
+
+MC = [{"context": "The lord said", "endings": ["unto moses", "go", "by day and by night"], "label": 1},
+      {"context": "And the river", "endings": ["ran dry", "x", "was built upon a hill"], "label": 2}]
+ROLL = [{"text": "the lord said unto moses and aaron"}, {"text": "behold the river ran dry " * 4}]
+GEN = [{"context": "The lord said", "answer": "unto"}, {"context": "Behold", "answer": "the"},
+       {"context": "And the city", "answer": "was"}]
+GEN_BODY = ("output_type: generate_until\ndoc_to_text: '{{{{context}}}}'\ndoc_to_target: '{{{{answer}}}}'\n"
+            "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 12\n{extra}metric_list:\n  - metric: exact_match\n")
+TASKS = {
+    "flag_mc": (MC, "output_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{endings}}'\n"
+                    "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"),
+    "flag_roll": (ROLL, "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+                        "metric_list:\n  - metric: word_perplexity\n"),
+    "flag_gen": (GEN, GEN_BODY.format(extra="  do_sample: false\n")),
+    # flag_gen with the settings --gen-kwargs gives below written into the task itself
+    "flag_gen_sampled": (GEN, GEN_BODY.format(extra="  do_sample: true\n  temperature: 1.3\n")),
+}
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    return task_folder(tmp_path_factory.mktemp("flags"), TASKS)
+
+
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_log_samples_writes_lm_evals_own_records_that_datasets_reads(run_dir, tasks, tmp_path, capsys):
+    from datasets import load_dataset
+    from lm_eval.loggers import EvaluationTracker
+
+    names = ["flag_mc", "flag_roll", "flag_gen"]
+    out = tmp_path / "res" / "r.json"
+    assert cli.main(["eval", str(run_dir), "--tasks", ",".join(names), "--include-path", str(tasks),
+                     "--output", str(out), "--log-samples"]) == 0
+    printed = capsys.readouterr().out
+    ours = {t: out.with_name(f"r_samples_{t}.jsonl") for t in names}
+    assert f"samples: {', '.join(map(str, ours.values()))}" in printed
+    assert "samples" not in json.loads(out.read_text(encoding="utf-8"))["lm_eval"]  # results stay aggregate
+    # lm-eval's own writer on the records of the same evaluation through the library
+    res = run_lm_eval(run_dir, names, include_path=tasks, log_samples=True, include_defaults=False)
+    tracker = EvaluationTracker(output_path=str(tmp_path / "lm" / "x.json"))
+    tracker.date_id = "d"
+    for task in names:
+        tracker.save_results_samples(task, copy.deepcopy(res["samples"][task]))
+        theirs = _jsonl(tmp_path / "lm" / f"samples_{task}_d.jsonl")
+        assert _jsonl(ours[task]) == theirs, task
+        assert len(theirs) == len(TASKS[task][0])
+        read = load_dataset("json", data_files=str(ours[task]), cache_dir=str(tmp_path / "hf-cache"))["train"]
+        assert read.num_rows == len(theirs) and sorted(read["doc_id"]) == list(range(len(theirs)))
+    replies = [r["filtered_resps"][0] for r in _jsonl(ours["flag_gen"])]
+    assert all(isinstance(r, str) for r in replies) and any(replies)
+
+
+def test_gen_kwargs_act_as_the_same_settings_written_into_the_task(run_dir, tasks, tmp_path):
+    def replies(task, **kw):
+        res = run_lm_eval(run_dir, [task], include_path=tasks, log_samples=True, include_defaults=False, seed=5,
+                          **kw)
+        return [s["filtered_resps"][0] for s in sorted(res["samples"][task], key=lambda s: s["doc_id"])]
+
+    written = replies("flag_gen_sampled")
+    assert replies("flag_gen", gen_kwargs="do_sample=true,temperature=1.3") == written
+    assert replies("flag_gen", gen_kwargs={"do_sample": True, "temperature": 1.3}) == written
+    assert replies("flag_gen") != written  # greedy: the flag changed the replies
+    out = tmp_path / "r.json"  # the command line: the same replies, and the settings in the results' config
+    assert cli.main(["eval", str(run_dir), "--tasks", "flag_gen", "--include-path", str(tasks), "--seed", "5",
+                     "--gen-kwargs", "do_sample=true,temperature=1.3", "--output", str(out), "--log-samples"]) == 0
+    assert [r["filtered_resps"][0] for r in _jsonl(tmp_path / "r_samples_flag_gen.jsonl")] == written
+    assert json.loads(out.read_text(encoding="utf-8"))["lm_eval"]["config"]["gen_kwargs"] == {
+        "do_sample": True, "temperature": 1.3}
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--tasks", "kjv_mc", "--log-samples"], ["--log-samples", "--output"]),
+    (["--mc", "q.jsonl", "--log-samples", "--output", "r.json"], ["--log-samples", "only for lm-eval tasks"]),
+    (["--mc", "q.jsonl", "--gen-kwargs", "temperature=1"], ["--gen-kwargs", "only for lm-eval tasks"]),
+    (["--tasks", "kjv_mc", "--gen-kwargs", "do_sample=true,temperature"], ["'temperature' is not key=value"]),
+])
+def test_bad_flags_are_one_error_line(run_dir, argv, needles, capsys):
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert all(n in err[0] for n in needles), err
+
+
+def test_a_samples_file_that_cannot_be_written_is_one_error_naming_it(tmp_path):
+    from hybridnorm.eval.report import write_samples
+
+    (tmp_path / "r_samples_t.jsonl").mkdir()  # a folder where the file goes
+    with pytest.raises(ConfigError, match=r"cannot write --log-samples file .*r_samples_t\.jsonl"):
+        write_samples(tmp_path / "r.json", {"t": []})
