@@ -47,6 +47,18 @@ def test_eval_mc_and_text_print_a_table_and_write_json(run_dir, model, tok, tmp_
     assert res["text"]["n_tokens"] == ppl.n_tokens
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_anything_is_evaluated(run_dir, tmp_path, capsys):
+    """Not after the evaluation (hours, for a big task), whose results would then be lost."""
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file where the output's folder should be", encoding="utf-8")
+    mc_file = write_jsonl(tmp_path / "questions.jsonl", QUESTIONS)
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), "--mc", str(mc_file), "--output", str(blocker / "r.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "taken is a file, not a folder" in err  # no table: nothing was evaluated
+    assert blocker.read_text(encoding="utf-8").startswith("a file")
+
+
 def test_batch_size_auto_finds_a_size_and_scores_as_a_fixed_one(run_dir, tmp_path, capsys):
     """``--batch-size auto`` for --mc and --text: the table of the default batch size, and a note of the sizes
     found (from --max-batch-size down; the tiny model fits at once here)."""
@@ -124,6 +136,10 @@ BAD = {
                                     ["--max-batch-size", "--batch-size auto"], False),
     "max batch size zero": (lambda t: ["--mc", "x.jsonl", "--batch-size", "auto", "--max-batch-size", "0"],
                             ["--max-batch-size=0", ">= 1"], False),
+    "output is a folder": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--output", str(t)],
+                           ["--output", "is a folder", "results.json"], False),
+    "output under a file": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--output",
+                                       str(t / "q.jsonl" / "r.json")], ["--output", "q.jsonl is a file"], False),
     "bad device": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--device", "gpu9"],
                    ["--device", "gpu9"], False),
     "include path missing": (lambda t: ["--tasks", "kjv_mc", "--include-path", str(t / "nowhere")],

@@ -104,6 +104,8 @@ def test_every_request_decodes_as_lm_evals_hf_backend_decodes_it(setup, batch_si
     ("  do_sample: true\n  temperature: 1.0\n  top_p: 1.5\n", "top_p=1.5 must be a number in (0, 1]"),
     ("  temperature: -1\n", "temperature=-1.0 must be a finite number >= 0"),
     ("  do_sample: 'yes'\n", "do_sample='yes' must be true or false"),
+    ("  until: 5\n", "until=5 must be a string or a list of strings"),  # was a TypeError traceback
+    ("  until: ['.', 3]\n", "until=['.', 3] must be a string or a list of strings"),
 ])
 def test_a_bad_generation_kwarg_is_one_error_naming_it(setup, tmp_path: Path, kwargs: str, says: str) -> None:
     _, run, _, _ = setup

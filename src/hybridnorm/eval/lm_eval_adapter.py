@@ -203,7 +203,10 @@ class HybridNormLM(RankedLM, _LMBase):
             contexts, all_kwargs = zip(*chunk, strict=True)
             kwargs = dict(all_kwargs[0] or {})  # one group: the same kwargs for the whole chunk
             until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = [until] if isinstance(until, str) else until
+            if not isinstance(until, (list, tuple)) or not all(isinstance(u, str) for u in until):
+                raise ConfigError(f"lm-eval generation_kwargs {kwargs}: until={until!r} must be a string or a list "
+                                  f"of strings (the stop strings)")
             max_gen = next((kwargs[k] for k in MAX_GEN_TOKS_KEYS if kwargs.get(k) is not None), self.max_gen_toks)
             texts = generate_until_batch(self.model, self.tokenizer, contexts, [*until, eot],
                                          _positive_int(max_gen, "max_gen_toks"), stop_ids=self.run.stop_ids,

@@ -103,6 +103,13 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     torchrun of several processes (``--tasks`` only) the ranks share lm-eval's documents; rank 0 prints and
     writes the results of all of them and returns them, the others return an empty dict."""
     device = inference_device(req.device)  # before the minutes of loading, and for every kind of evaluation
+    if req.output:  # so is where the results go: an evaluation of hours is not lost to a typo in a path
+        from hybridnorm.train.preflight import check_writable_dir
+
+        if Path(req.output).is_dir():
+            raise ConfigError(f"--output {req.output} is a folder: name the JSON file to write, e.g. "
+                              f"{Path(req.output) / 'results.json'}")
+        check_writable_dir(Path(req.output).parent, f"--output {req.output}: its folder")
     from hybridnorm.train.distributed import launched_world
 
     if (world := launched_world()) > 1:
