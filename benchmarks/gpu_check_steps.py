@@ -124,7 +124,8 @@ def numerics(ctx: Any) -> Result:
 # GPU image lacks, and one import error fails the whole pytest run
 CUDA_TEST_FILES = ("tests/nn/test_cuda_parity.py", "tests/nn/test_float8.py", "tests/train/test_host_sync.py",
                    "tests/test_step_profile.py", "tests/test_cli_environment.py", "tests/hf/test_hf_sampling.py",
-                   "tests/eval/test_eval_auto_batch.py", "tests/eval/test_eval_batched_generation.py")
+                   "tests/eval/test_eval_auto_batch.py", "tests/eval/test_eval_batched_generation.py",
+                   "tests/nn/test_attention_backend.py")
 
 
 def cuda_tests(ctx: Any) -> Result:

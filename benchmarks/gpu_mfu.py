@@ -47,6 +47,7 @@ import torch
 import yaml
 
 import hybridnorm as hn
+from hybridnorm.nn.attention import ATTENTION_BACKENDS, attention_backend, set_attention_backend
 from hybridnorm.nn.kernels.float8 import convert_to_float8
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_head_loss
 from hybridnorm.train.config import TrainConfig
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "trainer's on a GPU under --compile=true, head_loss=auto); fast = the head fused with a "
                         "chunked cross-entropy, no logits tensor (eager, fast_kernels=true); plain = F.linear, "
                         "then F.cross_entropy on an fp32 copy (fast_kernels=false); a comma list measures each")
+    p.add_argument("--attention", type=_choice_list(ATTENTION_BACKENDS), default=["auto"],
+                   help="the SDPA kernel tried first (TrainConfig.attention): auto = torch's order (FlashAttention-2 "
+                        "first); cudnn = cuDNN's fused attention first (Hopper); a comma list measures each")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="after timing each configuration, torch.profiler --profile-steps more steps and write "
                         "where they go (step_profile.py: by category, busiest kernels, idle share) to "
@@ -183,11 +187,13 @@ def measure(args: argparse.Namespace, placement: str, ac: bool, device: torch.de
     float8 = getattr(args, "float8", False) is True  # one configuration's value (main passes a bool)
     cfg = TrainConfig(model=mcfg, batch_size=args.batch, seq_len=args.seq, precision="bf16",
                       optim=OptimConfig(lr=1e-4, warmup_steps=0), device=str(device), compile=not args.no_compile,
-                      activation_checkpointing=ac, host_sync="log", float8=float8)
+                      activation_checkpointing=ac, host_sync="log", float8=float8,
+                      attention=getattr(args, "attention", "auto"))  # one configuration's value
     torch.manual_seed(0)
     model = hn.TransformerLM(mcfg).to(device)
     if float8:  # as the trainer does: before checkpointing and compiling
         convert_to_float8(model)
+    set_attention_backend(model, cfg.attention)  # as the trainer does: before compiling
     checkpoint_blocks(model, ac)
     if cfg.compile:
         compile_blocks(model)
@@ -250,21 +256,26 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"torch {torch.__version__} on {where}; peak {peak / 1e12:.1f} TFLOP/s ({source}); {args.size}, "
           f"seq {args.seq}, bf16 autocast, {'eager' if args.no_compile else 'compiled blocks'}")
-    print(f"{'placement':<17}{'AC':>4}{'fp8':>4}{'batch':>6}{'loss':>9}{'params':>9}{'step s':>9}{'tokens/s':>11}"
-          f"{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}{'warmup s':>10}")
+    print(f"{'placement':<17}{'AC':>4}{'fp8':>4}{'batch':>6}{'loss':>9}{'attention':>10}{'params':>9}{'step s':>9}"
+          f"{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}{'warmup s':>10}")
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
     for placement in (p.strip() for p in args.placements.split(",") if p.strip()):
         for ac in ON_OFF[args.ac]:
-            for f8, loss, batch in itertools.product(ON_OFF[args.float8], args.loss, args.batch):
+            for f8, loss, batch, attn in itertools.product(ON_OFF[args.float8], args.loss, args.batch,
+                                                           args.attention):
                 if batch == PLAN:
                     batch = planned_batch(args, placement, ac, loss, device)
                     if batch < 1:
                         print(f"{placement:<17}{'on' if ac else 'off':>4}  the plan fits no sequence; skipped")
                         continue
-                config = argparse.Namespace(**{**vars(args), "batch": batch, "loss": loss, "float8": f8})
-                label = f"{placement:<17}{'on' if ac else 'off':>4}{'on' if f8 else 'off':>4}{batch:>6}{loss:>9}"
+                config = argparse.Namespace(**{**vars(args), "batch": batch, "loss": loss, "float8": f8,
+                                               "attention": attn})
+                label = f"{placement:<17}{'on' if ac else 'off':>4}{'on' if f8 else 'off':>4}{batch:>6}{loss:>9}" \
+                        f"{attn:>10}"
                 row: dict[str, Any] = {"placement": placement, "ac": ac, "float8": f8, "batch": batch, "loss": loss,
+                                       "attention": attn, "sdpa_kernel": sdpa_kernel_chosen(args, placement, attn,
+                                                                                            device),
                                        "seq": args.seq, "size": args.size, "set": args.set, "peak_flops": peak,
                                        "peak_source": source, "device": where, "torch": torch.__version__,
                                        "commit": os.environ.get("HYBRIDNORM_COMMIT") or _git_head()}
@@ -294,6 +305,21 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
     print("MFU: model FLOPs (6·N_matmul + 6·L·d·T per token) per second over the peak; goal >= 50% on one H100.")
     return 0
+
+
+def sdpa_kernel_chosen(args: argparse.Namespace, placement: str, attention: str, device: torch.device) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` picks under ``attention`` for this model's training call
+    (bf16, causal, its heads and head size, GQA where it has it): a preference a kernel cannot serve falls
+    through to the next, so the row says which one ran."""
+    from torch.nn.attention import SDPBackend
+
+    mcfg = hn.ModelConfig.from_preset(args.size, **model_overrides(getattr(args, "set", [])), placement=placement)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.zeros(1, mcfg.n_heads, min(args.seq, 256), mcfg.head_dim, dtype=dtype, device=device)  # (B, H, T, D)
+    kv = q[:, :mcfg.kv_heads]  # (B, Hkv, T, D)
+    with attention_backend(attention):
+        chosen = torch._fused_sdp_choice(q, kv, kv, None, 0.0, True, enable_gqa=mcfg.kv_heads != mcfg.n_heads)
+    return next((b.name for b in SDPBackend.__members__.values() if int(b) == chosen), str(chosen)).lower()
 
 
 def profile_markdown(prof: Any, args: argparse.Namespace, row: dict[str, Any]) -> str:

@@ -36,8 +36,8 @@ def test_cpu_smoke_run_prints_a_row_per_configuration(gpu_mfu, capsys, monkeypat
     assert [(r[0], r[1]) for r in table] == [("pre", "off"), ("pre", "on"), ("hybridnorm_star", "off"),
                                              ("hybridnorm_star", "on")]
     # the LM head + loss the trainer runs on a GPU under --compile=true: compiled (compile_head_loss)
-    assert all(r[2] == "off" and r[3] == "2" and r[4] == "compiled" and r[-1] != "loss!)" and r[9].endswith("%")
-               for r in table)
+    assert all(r[2] == "off" and r[3] == "2" and r[4] == "compiled" and r[5] == "auto" and r[-1] != "loss!)"
+               and r[10].endswith("%") for r in table)
     assert gpu_mfu.peak_flops(torch.device("cpu"), False)[1] == "measured bf16 matmul"
 
 
@@ -48,7 +48,7 @@ def test_cpu_smoke_run_with_each_head_and_loss(gpu_mfu, capsys, monkeypatch, los
                          "--warmup", "1", "--no-compile", "--placements", "pre", "--ac", "off", "--loss", loss]) == 0
     out = capsys.readouterr().out
     row = next(line.split() for line in out.splitlines() if line.startswith("pre "))
-    assert row[4] == loss and row[-1] != "loss!)" and row[9].endswith("%")
+    assert row[4] == loss and row[-1] != "loss!)" and row[10].endswith("%")
 
 
 def test_set_overrides_preset_fields_and_names_a_bad_one(gpu_mfu):
@@ -76,6 +76,7 @@ def test_a_grid_of_batches_and_losses_is_measured_and_kept_as_json(gpu_mfu, caps
                          "--loss", "fast,plain", "--json", str(rows_path)]) == 0
     rows = json.loads(rows_path.read_text())
     assert [(r["loss"], r["batch"]) for r in rows] == [("fast", 1), ("fast", 2), ("plain", 1), ("plain", 2)]
+    assert {(r["attention"], r["sdpa_kernel"]) for r in rows} == {("auto", "flash_attention")}  # torch's, on a CPU
     for r in rows:  # MFU as the table defines it, from the row's own numbers
         assert r["finite"] and r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / r["peak_flops"])
     printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("pre ")]
@@ -175,3 +176,18 @@ def test_batch_plan_measures_the_planners_largest_micro_batch_per_configuration(
 def test_batch_plan_refuses_what_it_cannot_plan(gpu_mfu, extra, message):
     with pytest.raises(SystemExit, match=message):
         gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--no-compile", *extra])
+
+
+def test_attention_preferences_are_rows_that_record_the_kernel_torch_chose(gpu_mfu, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_mfu, "measured_peak_flops", lambda *a, **k: 1e12)
+    rows_path = tmp_path / "rows.json"
+    assert gpu_mfu.main(["--device", "cpu", "--size", "tiny", "--seq", "32", "--batch", "2", "--steps", "1",
+                         "--warmup", "1", "--no-compile", "--placements", "pre", "--ac", "off",
+                         "--attention", "auto,cudnn,math", "--json", str(rows_path)]) == 0
+    rows = json.loads(rows_path.read_text())
+    # a CPU has no cuDNN attention: the preference falls through to torch's flash kernel; math is the composite
+    assert [(r["attention"], r["sdpa_kernel"]) for r in rows] == [
+        ("auto", "flash_attention"), ("cudnn", "flash_attention"), ("math", "math")]
+    assert all(r["finite"] for r in rows)
+    with pytest.raises(SystemExit):
+        gpu_mfu.parse_args(["--attention", "fast"])

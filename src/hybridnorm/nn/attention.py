@@ -27,6 +27,8 @@ the modules (and their hooks fire).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -78,18 +80,59 @@ def has_hooks(*modules: nn.Module) -> bool:
             or any(getattr(torch_module, name, None) for name in _GLOBAL_HOOKS))
 
 
+# TrainConfig.attention: which kernel F.scaled_dot_product_attention tries first (names of torch's SDPBackend)
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+
+
+def attention_backend(name: str) -> contextlib.AbstractContextManager:
+    """The scaled-dot-product kernels :class:`SDPA` may run while the context is held: ``auto``, torch's own
+    order (on CUDA FlashAttention-2 first, cuDNN last); ``cudnn`` / ``flash`` / ``efficient``, that kernel first
+    wherever it can run the inputs, then torch's order (a priority, so bf16-only kernels leave fp32 to the
+    others; on the CPU, where torch picks its flash kernel whenever it can, a priority changes nothing);
+    ``math``, torch's plain composite only (the twin the fused kernels are checked against)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "auto":
+        return contextlib.nullcontext()
+    chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+    if chosen == SDPBackend.MATH:
+        return sdpa_kernel([chosen])
+    rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]
+    return sdpa_kernel([chosen, *(b for b in rest if b != chosen)], set_priority=True)
+
+
+def set_attention_backend(model: nn.Module, name: str) -> None:
+    """Every :class:`SDPA` of ``model`` runs under :func:`attention_backend` ``name`` (``TrainConfig.attention``;
+    before compiling: dynamo guards on it)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not one of {ATTENTION_BACKENDS}")
+    for module in model.modules():
+        if isinstance(module, SDPA):
+            module.backend = name
+
+
 class SDPA(nn.Module):
     """softmax(q kᵀ/√D + mask) v per head: q (B, H, T, D), k and v (B, Hkv, S, D) -> (B, H, T, D).
 
     With GQA (Hkv < H) query head h reads KV head h // (H / Hkv). ``mask`` (B or 1, 1, T, S) bool, True =
     may attend; ``causal``: query i sees keys <= i (T == S, no mask). With ``fast`` (the fast kernels), a
-    bf16 q on CPU with D < 64 runs the same kernel in fp32 (``kernels.sdpa_in_fp32``: faster there)."""
+    bf16 q on CPU with D < 64 runs the same kernel in fp32 (``kernels.sdpa_in_fp32``: faster there).
+    ``backend`` (:data:`ATTENTION_BACKENDS`, set by :func:`set_attention_backend`): the kernel torch tries
+    first, held inside the forward, so a compiled block calls it too (torchtitan's way)."""
 
     def __init__(self, fast: bool = True) -> None:
         super().__init__()
         self.fast = fast
+        self.backend = "auto"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        if self.backend != "auto":
+            with attention_backend(self.backend):
+                return self._attend(q, k, v, mask, causal)
+        return self._attend(q, k, v, mask, causal)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         if kernels.active(self.fast) and kernels.upcasts_attention(q):
             return kernels.sdpa_in_fp32(q, k, v, mask, causal)
         gqa = k.shape[1] != q.shape[1]  # torch >= 2.5 maps query heads onto KV heads itself

@@ -92,6 +92,9 @@ class TrainConfig(Config):
                                               # auto: compiled on CUDA with compile=true, else eager
     activation_checkpointing: bool = False    # recompute each block's activations in backward: less memory,
                                               # about one more forward of the blocks per step
+    attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"  # the SDPA kernel tried first
+                                              # (nn.attention.attention_backend): auto = torch's order (flash
+                                              # first on CUDA); cudnn: Hopper's fastest; math: the plain twin
     float8: bool = False                      # the blocks' four big linears in float8 (nn/kernels/float8.py):
                                               # needs bf16; pays only on float8 tensor cores (H100-class GPUs)
     host_sync: Literal["auto", "step", "log"] = "auto"  # read loss / grad norm back every step or at check

@@ -35,6 +35,7 @@ from hybridnorm.data import PreparedData, TokenBatches
 from hybridnorm.data.tokenizer import stop_token_ids
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
 from hybridnorm.errors import ConfigError
+from hybridnorm.nn.attention import set_attention_backend
 from hybridnorm.nn.kernels.float8 import convert_to_float8, float8_unsupported
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_counts, compile_head_loss
@@ -119,6 +120,7 @@ def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.dev
     if cfg.float8:  # before sharding: FSDP then holds the same parameters of the swapped modules
         convert_to_float8(model)
     shard_model(model, cfg, device, d)
+    set_attention_backend(model, cfg.attention)  # before compiling: a compiled block calls that kernel
     checkpoint_blocks(model, cfg.activation_checkpointing)
     step_model: torch.nn.Module = compile_blocks(model) if cfg.compile else model  # in place, per block
     if cfg.compiles_head_loss(device.type):
