@@ -78,11 +78,8 @@ class EvalRequest(Config):
         if self.tasks is not None and not task_names(self.tasks):
             raise ConfigError(f"--tasks must be a comma-separated list, got {self.tasks!r}")
 
-
     def _check_batch_size(self) -> None:
         """``--batch-size`` N, auto or auto:N (normalized: an int, or the auto text); auto only for scoring."""
-        from hybridnorm.eval.auto_batch import BatchSize
-
         if self.batch_size is not None:
             spec = BatchSize.parse(self.batch_size, "--batch-size")
             object.__setattr__(self, "batch_size", spec.rows or str(spec))
