@@ -317,8 +317,11 @@ def sdpa_kernel_chosen(args: argparse.Namespace, placement: str, attention: str,
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q = torch.zeros(1, mcfg.n_heads, min(args.seq, 256), mcfg.head_dim, dtype=dtype, device=device)  # (B, H, T, D)
     kv = q[:, :mcfg.kv_heads]  # (B, Hkv, T, D)
-    with attention_backend(attention):
-        chosen = torch._fused_sdp_choice(q, kv, kv, None, 0.0, True, enable_gqa=mcfg.kv_heads != mcfg.n_heads)
+    try:  # a private torch function: if this torch's differs, the row loses this field, not its measurement
+        with attention_backend(attention):
+            chosen = torch._fused_sdp_choice(q, kv, kv, None, 0.0, True, enable_gqa=mcfg.kv_heads != mcfg.n_heads)
+    except (RuntimeError, TypeError) as e:
+        return f"unknown ({type(e).__name__}: {e})"[:200]
     return next((b.name for b in SDPBackend.__members__.values() if int(b) == chosen), str(chosen)).lower()
 
 
