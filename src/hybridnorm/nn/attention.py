@@ -28,6 +28,8 @@ the modules (and their hooks fire).
 from __future__ import annotations
 
 import contextlib
+import typing
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +83,8 @@ def has_hooks(*modules: nn.Module) -> bool:
 
 
 # TrainConfig.attention: which kernel F.scaled_dot_product_attention tries first (names of torch's SDPBackend)
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+AttentionBackend = Literal["auto", "cudnn", "flash", "efficient", "math"]
+ATTENTION_BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
 
 
 def attention_backend(name: str) -> contextlib.AbstractContextManager:

@@ -22,6 +22,7 @@ from hybridnorm.data.prepare import PreparedData, prepare_data
 from hybridnorm.data.tokenizer import MIN_BPE_VOCAB
 from hybridnorm.diagnostics.config import DiagnosticsConfig
 from hybridnorm.errors import ConfigError
+from hybridnorm.nn.attention import AttentionBackend
 from hybridnorm.train.optim import OptimConfig
 
 TOKENIZERS = ("bpe", "bytes")
@@ -92,7 +93,7 @@ class TrainConfig(Config):
                                               # auto: compiled on CUDA with compile=true, else eager
     activation_checkpointing: bool = False    # recompute each block's activations in backward: less memory,
                                               # about one more forward of the blocks per step
-    attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"  # the SDPA kernel tried first
+    attention: AttentionBackend = "auto"      # the SDPA kernel tried first
                                               # (nn.attention.attention_backend): auto = torch's order (flash
                                               # first on CUDA); cudnn: Hopper's fastest; math: the plain twin
     float8: bool = False                      # the blocks' four big linears in float8 (nn/kernels/float8.py):
