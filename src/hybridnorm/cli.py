@@ -275,12 +275,12 @@ def _interrupted(command: str | None) -> str:
     return "interrupted: nothing was written (a partly written output is removed)"
 
 
-ONE_PROCESS_COMMANDS = ("generate", "eval", "export", "import", "gradprofile", "placements", "plan")
+ONE_PROCESS_COMMANDS = ("generate", "export", "import", "gradprofile", "placements", "plan")
 
 
-def _one_process_only(command: str | None, words: list[str]) -> str | None:
+def _one_process_only(command: str | None) -> str | None:
     """Why ``command`` must not run under a torchrun of several processes, or None. Only train, compare,
-    sweep and ``eval --tasks`` (lm-eval splits the documents across the ranks) use torchrun's ranks; every
+    sweep and eval (its documents, questions and batches split across the ranks) use torchrun's ranks; every
     other command would run once per rank, each writing the same files."""
     if "WORLD_SIZE" not in os.environ:  # not under torchrun: torch is not imported for this
         return None
@@ -289,15 +289,13 @@ def _one_process_only(command: str | None, words: list[str]) -> str | None:
     world = launched_world()
     if world <= 1 or command not in ONE_PROCESS_COMMANDS:
         return None
-    if command == "eval" and any(w == "--tasks" or w.startswith("--tasks=") for w in words):
-        return None  # the evaluation itself refuses --mc / --text / the validation loss beside it
     return (f"hybridnorm {command} runs in one process, but torchrun started {world} (WORLD_SIZE={world}), "
             f"which would each run it and write the same files; run it without torchrun (train, compare, "
-            f"sweep and eval --tasks are the commands that use several processes)")
+            f"sweep and eval are the commands that use several processes)")
 
 
 def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
-    if (why := _one_process_only(command, words)) is not None and not {"-h", "--help"} & set(words):
+    if (why := _one_process_only(command)) is not None and not {"-h", "--help"} & set(words):
         print(f"error: {why}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if command == "gradprofile":  # a measurement with its own options (experiments.gradprofile)

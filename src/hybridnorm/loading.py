@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
-from hybridnorm.data import PreparedData, prepare_data, val_batches
+from hybridnorm.data import PreparedData, prepare_data, val_batch_count, val_batches
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import lm_loss
+from hybridnorm.train.distributed import Dist
+from hybridnorm.train.rank_share import gather_rows, share
 from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
 
 __all__ = ["Run", "evaluate_run", "load_run"]
@@ -64,19 +66,22 @@ def validation_data(run: Run, source: str | None = None, text_field: str | None 
 
 
 def evaluate_run(run: Run, source: str | None = None, batch_size: int | None = None, seq_len: int | None = None,
-                 max_batches: int | None = None, text_field: str | None = None) -> tuple[float, int]:
+                 max_batches: int | None = None, text_field: str | None = None, ranks: Dist | None = None,
+                 ) -> tuple[float, int]:
     """Mean next-token loss of ``run`` on the validation split of ``source`` (default: the run's own),
     tokenized with the run's tokenizer: :func:`evaluate_on` of :func:`validation_data`."""
-    return evaluate_on(run, validation_data(run, source, text_field), batch_size, seq_len, max_batches)
+    return evaluate_on(run, validation_data(run, source, text_field), batch_size, seq_len, max_batches, ranks)
 
 
 @torch.no_grad()
 def evaluate_on(run: Run, data: PreparedData, batch_size: int | None = None, seq_len: int | None = None,
-                max_batches: int | None = None) -> tuple[float, int]:
+                max_batches: int | None = None, ranks: Dist | None = None) -> tuple[float, int]:
     """Mean next-token loss of ``run`` on the validation split of ``data``. Returns (loss, tokens scored).
     By default the windows are those the run's training validated on (``TrainConfig.eval_windows``, in
     batches of the run's ``batch_size``), so the loss is the one its log shows for that checkpoint;
-    ``max_batches`` scores that many batches of ``batch_size`` instead."""
+    ``max_batches`` scores that many batches of ``batch_size`` instead. ``ranks``: a joined process group
+    whose ranks share the batches (each calls this and gets the loss, the one-process sum of the same
+    per-batch values)."""
     seq_len = seq_len or run.config.seq_len
     batch_size = batch_size or run.config.batch_size
     windows = max_batches * batch_size if max_batches is not None else run.config.eval_windows
@@ -84,11 +89,17 @@ def evaluate_on(run: Run, data: PreparedData, batch_size: int | None = None, seq
     if len(val) < seq_len + 1:
         raise ConfigError(f"validation split of {data.source} has {len(val)} tokens, "
                           f"fewer than seq_len + 1 = {seq_len + 1}")
-    total, count = 0.0, 0
+    d = ranks or Dist()
+    n_batches = val_batch_count(val, batch_size, seq_len, -(-windows // batch_size))
     device = next(run.model.parameters()).device  # where `eval --device` put the model
-    for i, (x, y) in enumerate(val_batches(val, batch_size, seq_len, -(-windows // batch_size))):
+    mine = []  # (sum of token losses, tokens) of this rank's batches
+    for i, (x, y) in zip(share(n_batches, d), val_batches(val, batch_size, seq_len, n_batches, d.rank,
+                                                           d.world_size), strict=True):
         keep = min(len(x), windows - i * batch_size)  # the last batch: only the windows still asked for
         x, y = x[:keep].to(device), y[:keep].to(device)
-        total += lm_loss(run.model(x), y).item() * y.numel()
-        count += y.numel()
+        mine.append((lm_loss(run.model(x), y).item() * y.numel(), y.numel()))
+    total, count = 0.0, 0
+    for loss_sum, n in gather_rows(mine, n_batches, d):  # one process's order, whatever the ranks
+        total += loss_sum
+        count += int(n)
     return (total / count if count else math.nan), count

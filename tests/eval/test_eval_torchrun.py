@@ -2,7 +2,7 @@
 across the ranks (7 of each task: 4 and 3, so the short rank repeats a request, as lm-eval pads) and rank 0
 reports all of them. Oracle: the same command in one process, on the same run: the same metrics for the three
 request kinds (multiple choice, rolling log-likelihood, greedy generation). Plus the collectives lm-eval calls,
-in a real 2-rank group, and the refusals."""
+in a real 2-rank group. ``--mc``, ``--text`` and the validation loss under torchrun: test_eval_rank_share.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from eval_helpers import task_folder, write_jsonl
+from eval_helpers import task_folder
 from train_helpers import TORCHRUN, cli_in_process, run_bounded, spawn_ranks
 
 pytest.importorskip("lm_eval", reason="the eval extra (lm_eval) is not installed")
@@ -84,22 +84,6 @@ def test_lm_eval_from_a_script_under_torchrun_joins_the_ranks_itself(run_dir: Pa
     want = run_lm_eval(run_dir, ["kjv_mc"], limit=5, batch_size=2, include_defaults=False)
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
     assert lines == [f"rank 0: {json.dumps(want['results']['kjv_mc']['acc,none'])}", "rank 1: null"], lines
-
-
-def test_only_tasks_are_split_and_the_rest_is_refused_in_one_line(run_dir: Path, tmp_path: Path, monkeypatch,
-                                                                 capsys) -> None:
-    from hybridnorm import cli
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    mc = write_jsonl(tmp_path / "mc.jsonl", [{"context": "a", "endings": ["b", "c"], "label": 0}])
-    for extra in (["--mc", str(mc)], ["--text", str(mc)]):
-        assert cli.main(["eval", str(run_dir), "--tasks", "kjv_mc", *extra]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err == ["error: under torchrun (2 processes) hybridnorm eval splits lm-eval --tasks across them; "
-                       "--mc, --text and the validation loss run in one process: run them without torchrun"], err
-    assert cli.main(["eval", str(run_dir)]) == 2  # the validation loss: refused before the run is read
-    assert "hybridnorm eval runs in one process, but torchrun started 2" in capsys.readouterr().err
 
 
 def _collectives_worker(rank: int, world: int, port: int, out: str) -> None:

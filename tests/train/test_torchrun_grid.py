@@ -93,7 +93,7 @@ def test_every_one_process_command_is_refused_in_a_multi_process_world(command, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: hybridnorm {command} runs in one process, but torchrun started 2 (WORLD_SIZE=2), "
                    "which would each run it and write the same files; run it without torchrun (train, compare, "
-                   "sweep and eval --tasks are the commands that use several processes)"]
+                   "sweep and eval are the commands that use several processes)"]
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process: every command runs
     assert main(["placements"]) == 0

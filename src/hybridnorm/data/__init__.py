@@ -2,7 +2,7 @@
 deterministic, resumable batches. ``prepare_data()`` is the one-call entry point."""
 
 from hybridnorm.data.corpus import KJV_VAL_BOOKS, Corpus, kjv_path, load_corpus, source_fingerprint
-from hybridnorm.data.loader import TokenBatches, val_batches
+from hybridnorm.data.loader import TokenBatches, val_batch_count, val_batches
 from hybridnorm.data.prepare import DataStats, PreparedData, prepare_data
 from hybridnorm.data.tokenizer import (
                                        EOT,
@@ -27,5 +27,5 @@ __all__ = [
     "EOT", "KJV_VAL_BOOKS", "BPETokenizer", "ByteTokenizer", "Corpus", "DataStats", "PreparedData",
     "TokenBatches", "Tokenizer", "bigram_entropy", "get_tokenizer", "kjv_path", "load_corpus", "load_tokenizer",
     "open_tokens", "prepare_data", "read_meta", "resolve_cache_dir", "scored_references", "source_fingerprint",
-    "tokenize_to_memmap", "train_bpe", "unigram_entropy", "val_batches",
+    "tokenize_to_memmap", "train_bpe", "unigram_entropy", "val_batch_count", "val_batches",
 ]

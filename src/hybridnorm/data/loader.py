@@ -117,16 +117,19 @@ class TokenBatches:
         self.epoch, self.step, self.micro = epoch, step, 0
 
 
+def val_batch_count(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None) -> int:
+    """How many (global) batches :func:`val_batches` yields over all ranks."""
+    _check(tokens, batch_size, seq_len)
+    n_batches = -(-((len(tokens) - 1) // seq_len) // batch_size)
+    return n_batches if max_batches is None else min(n_batches, max_batches)
+
+
 def val_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None,
                 rank: int = 0, world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Sequential non-overlapping windows from the start of ``tokens``: the same batches every call. The
     last batch may be smaller (average the loss over tokens). With DDP, rank ``r`` takes global batches
     ``r, r+W, ...``; ``max_batches`` counts global batches."""
-    _check(tokens, batch_size, seq_len)
     n_windows = (len(tokens) - 1) // seq_len
-    n_batches = -(-n_windows // batch_size)
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    for b in range(rank, n_batches, world_size):
+    for b in range(rank, val_batch_count(tokens, batch_size, seq_len, max_batches), world_size):
         starts = np.arange(b * batch_size, min((b + 1) * batch_size, n_windows)) * seq_len
         yield _to_batch(tokens, starts, seq_len)

@@ -28,6 +28,8 @@ from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.scoring import RowRule, loglikelihood_text
 from hybridnorm.nn.model import TransformerLM
+from hybridnorm.train.distributed import Dist
+from hybridnorm.train.rank_share import scored_on_ranks
 
 TARGET_DELIMITER = " "  # lm-eval's default target_delimiter between context and choice
 
@@ -148,9 +150,10 @@ def read_mc_jsonl(path: str | Path) -> list[MCItem]:
 
 
 def evaluate_mc(model: TransformerLM, tokenizer: Tokenizer, items: Sequence[MCItem] | str | Path,
-                batch_size: int | RowRule = 8, limit: int | None = None) -> MCResult:
+                batch_size: int | RowRule = 8, limit: int | None = None, ranks: Dist | None = None) -> MCResult:
     """Zero-shot ``acc`` / ``acc_norm`` of ``model`` on ``items`` (or a JSONL path); ``limit`` keeps the first
-    items (lm-eval's ``--limit``). All endings of all items go through one batched scoring call."""
+    items (lm-eval's ``--limit``). All endings of all items go through one batched scoring call. ``ranks``: a
+    joined process group whose ranks share the items (each calls this; each gets every item's result)."""
     source = ""
     if isinstance(items, (str, Path)):
         source, items = str(items), read_mc_jsonl(items)
@@ -158,12 +161,18 @@ def evaluate_mc(model: TransformerLM, tokenizer: Tokenizer, items: Sequence[MCIt
         if limit < 1:
             raise ConfigError(f"limit={limit} must be >= 1")
         items = items[:limit]
-    pairs = [(it.context, TARGET_DELIMITER + e) for it in items for e in it.endings]
-    scores = loglikelihood_text(model, tokenizer, pairs, batch_size)
-    results, k = [], 0
-    for idx, it in enumerate(items):
-        lls = tuple(ll for ll, _ in scores[k:k + len(it.endings)])
-        k += len(it.endings)
+    lls_of = scored_on_ranks(lambda share: ending_loglikelihoods(model, tokenizer, share, batch_size), items,
+                             ranks or Dist())
+    results = []
+    for idx, (it, lls) in enumerate(zip(items, lls_of, strict=True)):
         norm = [ll / len(e) for ll, e in zip(lls, it.endings, strict=True)]
         results.append(MCItemResult(idx, it.label, lls, argmax(lls), argmax(norm)))
     return MCResult(results, source)
+
+
+def ending_loglikelihoods(model: TransformerLM, tokenizer: Tokenizer, items: Sequence[MCItem],
+                          batch_size: int | RowRule = 8) -> list[tuple[float, ...]]:
+    """Per item, log p(" " + ending | context) of each of its endings (one batched scoring call for all)."""
+    pairs = [(it.context, TARGET_DELIMITER + e) for it in items for e in it.endings]
+    scores = iter(loglikelihood_text(model, tokenizer, pairs, batch_size))
+    return [tuple(next(scores)[0] for _ in it.endings) for it in items]

@@ -30,6 +30,8 @@ from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.scoring import RowRule, loglikelihood_rolling
 from hybridnorm.nn.model import TransformerLM
+from hybridnorm.train.distributed import Dist
+from hybridnorm.train.rank_share import scored_on_ranks
 
 if TYPE_CHECKING:
     from hybridnorm.loading import Run
@@ -77,12 +79,15 @@ def count_bytes(text: str) -> int:
 
 
 def perplexity(model: TransformerLM, tokenizer: Tokenizer, docs: Sequence[str], batch_size: int | RowRule = 8,
-               source: str = "") -> PerplexityResult:
-    """Token perplexity, bits per byte and word perplexity of ``model`` over ``docs`` (each scored alone)."""
+               source: str = "", ranks: Dist | None = None) -> PerplexityResult:
+    """Token perplexity, bits per byte and word perplexity of ``model`` over ``docs`` (each scored alone).
+    ``ranks``: a joined process group whose ranks share the documents (each calls this; each gets the result)."""
     if not docs:
         raise ConfigError(f"no documents to score{f' in {source}' if source else ''}")
     tokens = tokenizer.encode_batch(list(docs))
-    lls = loglikelihood_rolling(model, tokens, tokenizer.start_id, batch_size)
+    rows = scored_on_ranks(lambda share: [(ll,) for ll in loglikelihood_rolling(model, share, tokenizer.start_id,
+                                                                                  batch_size)], tokens, ranks or Dist())
+    lls = [ll for (ll,) in rows]
     return PerplexityResult(source, len(docs), sum(map(len, tokens)), sum(map(count_bytes, docs)),
                             sum(map(count_words, docs)), math.fsum(lls))
 
@@ -105,7 +110,7 @@ def read_documents(source: str | Path, text_field: str = "text", max_docs: int |
 
 
 def perplexity_of_run(run: Run, source: str | Path, batch_size: int | RowRule = 8, text_field: str = "text",
-                      max_docs: int | None = None) -> PerplexityResult:
+                      max_docs: int | None = None, ranks: Dist | None = None) -> PerplexityResult:
     """:func:`perplexity` of a loaded run on the documents of ``source`` (see :func:`read_documents`)."""
     docs = read_documents(source, text_field, max_docs)
-    return perplexity(run.model, run.tokenizer, docs, batch_size, source=str(source))
+    return perplexity(run.model, run.tokenizer, docs, batch_size, source=str(source), ranks=ranks)

@@ -18,6 +18,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json, write_samples
 from hybridnorm.loading import Run, evaluate_on, inference_device, load_run, validation_data
+from hybridnorm.train.distributed import Dist, current_dist, launched_world
 
 SCORING_BATCH = 8  # sequences per forward of --mc / --text / --tasks unless --batch-size says otherwise
 
@@ -97,8 +98,10 @@ def task_names(text: str) -> list[str]:
 
 def run_eval(req: EvalRequest) -> dict[str, Any]:
     """Run what ``req`` asks for, print it, write ``req.output`` if set; returns the results dict. Under a
-    torchrun of several processes (``--tasks`` only) the ranks share lm-eval's documents; rank 0 prints and
-    writes the results of all of them and returns them, the others return an empty dict."""
+    torchrun of several processes the ranks share the work (lm-eval's documents; the questions of ``--mc``,
+    the documents of ``--text``, the batches of the validation loss); rank 0 prints and writes the results of
+    all of them and returns them, the others return an empty dict. In a process group already joined (a
+    script's), every rank must call it: the ranks' scores are gathered."""
     device = inference_device(req.device)  # before the minutes of loading, and for every kind of evaluation
     if req.output:  # so is where the results go: an evaluation of hours is not lost to a typo in a path
         from hybridnorm.train.preflight import check_writable_dir
@@ -107,13 +110,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
             raise ConfigError(f"--output {req.output} is a folder: name the JSON file to write, e.g. "
                               f"{Path(req.output) / 'results.json'}")
         check_writable_dir(Path(req.output).parent, f"--output {req.output}: its folder")
-    from hybridnorm.train.distributed import launched_world
-
-    if (world := launched_world()) > 1:
-        if req.mc or req.text or not req.tasks:
-            raise ConfigError(f"under torchrun ({world} processes) hybridnorm eval splits lm-eval --tasks across "
-                              "them; --mc, --text and the validation loss run in one process: run them without "
-                              "torchrun")
+    if launched_world() > 1:
         from hybridnorm.eval.lm_eval_ranks import RANK_WAIT_S, launched_local_rank
         from hybridnorm.train.distributed import init_distributed, leave, resolve_device
 
@@ -129,8 +126,9 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
     run = load_run(req.checkpoint)
     if device is not None:
         run.model.to(device)
+    ranks = current_dist()  # under torchrun: this rank's share of every evaluation
     if not (req.mc or req.text or req.tasks):
-        return _validation_loss(run, req)
+        return _validation_loss(run, req, ranks)
     table: list = []
     notes: list[str] = []
     samples = None
@@ -140,13 +138,15 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
     if req.mc:
         from hybridnorm.eval.multiple_choice import evaluate_mc
 
-        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=sizer.scoring(), limit=req.limit)
+        mc = evaluate_mc(run.model, run.tokenizer, req.mc, batch_size=sizer.scoring(), limit=req.limit,
+                         ranks=ranks)
         table += mc_rows(mc, f"mc:{Path(req.mc).name}")
         out["mc"] = mc.to_dict(per_item=True)
     if req.text:
         from hybridnorm.eval.perplexity import perplexity_of_run
 
-        ppl = perplexity_of_run(run, req.text, batch_size=sizer.scoring(), text_field=req.text_field or "text")
+        ppl = perplexity_of_run(run, req.text, batch_size=sizer.scoring(), text_field=req.text_field or "text",
+                                ranks=ranks)
         table += perplexity_rows(ppl, f"text:{Path(req.text).name}")
         notes.append(f"text: {ppl.n_docs:,} documents, {ppl.n_tokens:,} tokens, {ppl.n_bytes:,} bytes, "
                      f"{ppl.n_words:,} words")
@@ -170,8 +170,11 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
             notes.append(f"lm-eval prompts: {_prompt_note(res['config'])}")
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
         samples = res.get("samples") if req.log_samples else None
+    if not ranks.is_main:  # another rank's share of a data-parallel evaluation: rank 0 reports it
+        return {}
     if sizer.sizes:
-        notes.append(f"batch sizes found by --batch-size {scoring_batch}: {', '.join(map(str, sizer.sizes))}")
+        notes.append(f"batch sizes found by --batch-size {scoring_batch}: {', '.join(map(str, sizer.sizes))}"
+                     + (" (rank 0's; each rank sizes its own)" if ranks.world_size > 1 else ""))
     print_results(table, f"{run.checkpoint}", notes)
     if req.output:
         print(f"results: {write_json(req.output, out)}")
@@ -192,9 +195,12 @@ def _prompt_note(config: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _validation_loss(run: Run, req: EvalRequest) -> dict[str, Any]:
+def _validation_loss(run: Run, req: EvalRequest, ranks: Dist) -> dict[str, Any]:
     data = validation_data(run, req.data, req.text_field)
-    loss, n_tokens = evaluate_on(run, data, batch_size=req.batch_size, seq_len=req.seq_len, max_batches=req.batches)
+    loss, n_tokens = evaluate_on(run, data, batch_size=req.batch_size, seq_len=req.seq_len, max_batches=req.batches,
+                                 ranks=ranks)
+    if not ranks.is_main:  # rank 0 reports the loss of every rank's batches
+        return {}
     source = req.data or run.config.data.source
     # for scale, what two count-based models score on exactly those tokens
     unigram, bigram = scored_references(data.train_tokens(), data.val_tokens(), n_tokens, data.tokenizer.vocab_size)
