@@ -12,7 +12,7 @@ import os
 import sys
 import warnings
 
-from hybridnorm.cli_parser import build_parser
+from hybridnorm.cli_parser import DEFAULT_PROMPT, build_parser
 from hybridnorm.config_base import is_utf8
 from hybridnorm.config_text import parse_text
 from hybridnorm.errors import CollectiveError, ConfigError
@@ -146,9 +146,10 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     written = {k: v for k in FIELDS if (v := getattr(args, k)) is not None}  # the sampling options given
     check_generate_args(args.max_new_tokens, **{**COMMAND_DEFAULTS, **written}, seed=args.seed,
                         as_options=True)  # before loading
-    for name in ("prompt", "system"):
-        if getattr(args, name) is not None and not is_utf8(getattr(args, name)):
-            raise ConfigError(f"--{name}={getattr(args, name)!r} is not valid UTF-8 text: pass it as UTF-8")
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    for name, text in [*(("prompt", p) for p in prompts), ("system", args.system)]:
+        if text is not None and not is_utf8(text):
+            raise ConfigError(f"--{name}={text!r} is not valid UTF-8 text: pass it as UTF-8")
     for flag, given in (("--system", args.system), ("--chat-template-args", args.chat_template_args)):
         if given is not None and args.chat is None:
             raise ConfigError(f"{flag} is for a chat turn: it needs --chat")
@@ -159,27 +160,36 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     sampling = run.generation.resolve(written)  # an HF folder's generation_config.json sets the defaults
     if note := run.generation.note(written):
         print(note, file=sys.stderr)
-    prompt = args.prompt
     if args.chat is not None:
         from hybridnorm.hf.chat import ChatFormatter
 
         turns = [{"role": "system", "content": args.system}] if args.system is not None else []
-        prompt = ChatFormatter(run)([*turns, {"role": "user", "content": args.prompt}], args.chat, template_args)
+        prompts = [ChatFormatter(run)([*turns, {"role": "user", "content": p}], args.chat, template_args)
+                   for p in prompts]
     # the device's own generator: on a GPU, the stream transformers' generate draws from after torch.manual_seed
     gen = torch.Generator(device).manual_seed(args.seed)
     # the start token first (<|endoftext|> for our tokenizers: every training document followed one; a
     # folder's own BOS where its tokenizer adds one, once: a chat template may write it), as the evaluators
     # and the exported HF tokenizer do
-    ids = with_start(run.tokenizer, run.tokenizer.encode(prompt))
+    rows = [with_start(run.tokenizer, run.tokenizer.encode(p)) for p in prompts]
+    # several prompts: one batch, left-padded (end-of-text, our exported tokenizers' pad) and masked
+    width = max(map(len, rows))
+    ids = torch.tensor([[run.tokenizer.eot_id] * (width - len(r)) + r for r in rows], device=device)  # (B, P)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     # ends after the end-of-text token (or an HF folder's other eos ids), as transformers' generate ends
     stops = [run.tokenizer.eot_id, *run.stop_ids]
-    out = run.model.generate(torch.tensor([ids], device=device), args.max_new_tokens, **asdict(sampling), generator=gen,
-                             stop_ids=None if args.ignore_eos else stops)
-    if args.chat is None:
-        print(run.tokenizer.decode(out[0, 1:].tolist()))
-    else:  # the reply alone, without the token that ended it
-        reply = out[0, len(ids):].tolist()
-        print(run.tokenizer.decode(reply[:-1] if reply and reply[-1] in stops and not args.ignore_eos else reply))
+    out = run.model.generate(ids, args.max_new_tokens, **asdict(sampling), generator=gen,
+                             stop_ids=None if args.ignore_eos else stops, attention_mask=mask)
+    for b, row in enumerate(rows):
+        new = out[b, width:].tolist()
+        end = next((j for j, t in enumerate(new) if t in stops), None) if not args.ignore_eos else None
+        new = new if end is None else new[:end + 1]  # a row that ended was fed its stop token since
+        if b:
+            print()  # a blank line between the texts of several prompts
+        if args.chat is None:
+            print(run.tokenizer.decode([*row[1:], *new]))
+        else:  # the reply alone, without the token that ended it
+            print(run.tokenizer.decode(new[:-1] if end is not None else new))
     return 0
 
 

@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 
 from hybridnorm.errors import OneLineArgumentParser
 
+DEFAULT_PROMPT = "In the beginning"  # hybridnorm generate without --prompt
+
 
 def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]], int]]) -> argparse.ArgumentParser:
     """The parser of every command; ``commands`` maps a command name to the function that runs it."""
@@ -60,7 +62,10 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
 
     g = sub.add_parser("generate", parents=[common], help="sample text from a run folder or checkpoint")
     g.add_argument("checkpoint")
-    g.add_argument("--prompt", default="In the beginning")
+    g.add_argument("--prompt", action="append",
+                   help=f"the text to continue (default {DEFAULT_PROMPT!r}); given several times, the prompts are "
+                        "generated as one left-padded batch, as transformers' generate takes one, and the texts "
+                        "printed in order, a blank line between (greedy: each as it is alone)")
     g.add_argument("--max-new-tokens", type=int, default=100)
     # sampling: None = not given, so a folder's generation_config.json can set it (nn.sampling_defaults)
     g.add_argument("--temperature", type=float, help="0: greedy (default 0.8, or the folder's generation_config.json)")

@@ -194,6 +194,11 @@ def test_generate_chat_replies_as_transformers_generate_of_the_folder(tmp_path: 
         argv = ["generate", str(tmp_path / "run"), "--chat", *([name] if name else []), "--prompt", question,
                 "--temperature", "0", "--max-new-tokens", "12", *(["--system", system] if system else [])]
         assert cli(*argv).stdout == reply + "\n"
+    # several user turns (one conversation each) as one left-padded batch: each reply as it is alone (greedy)
+    questions, flags = [question, "And the river?"], ["--temperature", "0", "--max-new-tokens", "12", "--chat"]
+    alone = [cli("generate", str(tmp_path / "run"), "--prompt", q, *flags).stdout for q in questions]
+    assert cli("generate", str(tmp_path / "run"), "--prompt", questions[0], "--prompt", questions[1],
+               *flags).stdout == "\n".join(alone)
     for argv, says in [(["--chat", "nope"], "no chat template named 'nope'; valid: default, tool_use"),
                        (["--system", "x"], "--system is for a chat turn: it needs --chat")]:
         err = cli("generate", str(tmp_path / "run"), *argv, ok=False).stderr.strip().splitlines()

@@ -59,7 +59,9 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
     logits = model(ids, cache=cache, attention_mask=None if mask is None else mask[:, :P])[:, -1]  # (B, V_emb)
     if sampling.repetition_penalty != 1.0:
         seen = torch.zeros(B, logits.shape[-1], dtype=torch.bool, device=device)
-        seen.scatter_(1, ids, real.bool())  # pad positions scatter False, the row's real tokens True
+        # a padding position marks the row's last token (real under left padding), never False: scatter_ has
+        # no defined order where a row's padding and one of its tokens write one entry (the pad is end-of-text)
+        seen.scatter_(1, torch.where(real.bool(), ids, ids[:, -1:]), True)
     stops = torch.tensor(sorted({eot, *stop_ids}), device=device)
     strings = [s for s in until if s]
     tracked = {s: len(tokenizer.encode(s)) + 2 for s in strings} if not sampling.greedy else {}

@@ -220,7 +220,7 @@ class TransformerLM(nn.Module):
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float = 1.0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, generator: torch.Generator | None = None,
-                 stop_ids: int | Sequence[int] | None = None) -> Tensor:
+                 stop_ids: int | Sequence[int] | None = None, attention_mask: Tensor | None = None) -> Tensor:
         """Sample continuations with a KV cache; ``temperature=0`` is greedy, ``top_k`` None or 0 samples from
         the whole vocabulary; ``top_p``, ``min_p`` and ``repetition_penalty`` as transformers' ``generate``
         (:mod:`hybridnorm.nn.sampling`: the same order and rules, so the same seed draws the same tokens).
@@ -229,7 +229,9 @@ class TransformerLM(nn.Module):
         new may be < max_new_tokens (transformers' ``generate`` with those eos ids, whose finished rows get
         the pad token: our exported tokenizers' pad is their end-of-text token). Arguments out of range raise
         ConfigError up front (:func:`check_generate_args`), as does a prompt + continuation longer than
-        ``max_seq_len``."""
+        ``max_seq_len``. Prompts of several lengths: left-padded, with ``attention_mask`` (B, T) 0 over the
+        padding, 1 over the prompt, as transformers' ``generate`` takes them (the padding attended by nothing,
+        positions counting a row's real tokens); the repetition penalty counts a row's real tokens only."""
         sampling = check_generate_args(max_new_tokens, temperature, top_k, top_p=top_p, min_p=min_p,
                                        repetition_penalty=repetition_penalty)
         stops = _stop_tensor(stop_ids, self.config.vocab_size, input_ids.device)
@@ -237,14 +239,18 @@ class TransformerLM(nn.Module):
         if T < 1 or T + max_new_tokens > self.config.max_seq_len:
             raise ConfigError(f"a prompt of {T} tokens + max_new_tokens={max_new_tokens} must be 1 to "
                               f"max_seq_len={self.config.max_seq_len} tokens")
+        mask = _left_padding(attention_mask, input_ids, max_new_tokens)  # (B, T + new) or None: no padding
         cache = self.new_cache(B, min(self.config.max_seq_len, T + max_new_tokens))
-        logits = self(input_ids, cache=cache)[:, -1]
+        logits = self(input_ids, cache=cache, attention_mask=None if mask is None else mask[:, :T])[:, -1]
         out = [input_ids]
         V = self.config.vocab_size
         seen = None  # (B, embedding rows) bool: the tokens so far, prompt included, for the repetition penalty
         if repetition_penalty != 1.0:
             seen = torch.zeros(B, logits.shape[-1], dtype=torch.bool, device=input_ids.device)
-            seen.scatter_(1, input_ids, True)
+            # a padding position marks its row's last token instead (real under left padding): scatter_ has
+            # no defined order when two positions of a row write one token, so padding never writes False
+            real_ids = input_ids if mask is None else torch.where(mask[:, :T].bool(), input_ids, input_ids[:, -1:])
+            seen.scatter_(1, real_ids, True)
         done = torch.zeros(B, 1, dtype=torch.bool, device=input_ids.device)  # rows that emitted a stop id
         for i in range(max_new_tokens):
             logits = logits[:, :V].float()  # never sample padding rows
@@ -257,8 +263,25 @@ class TransformerLM(nn.Module):
             out.append(nxt)
             if i + 1 == max_new_tokens or (stops is not None and bool(done.all())):  # a host sync a token
                 break
-            logits = self(nxt, cache=cache)[:, -1]
+            logits = self(nxt, cache=cache, attention_mask=None if mask is None else mask[:, :T + i + 1])[:, -1]
         return torch.cat(out, dim=1)
+
+
+def _left_padding(attention_mask: Tensor | None, input_ids: Tensor, max_new_tokens: int) -> Tensor | None:
+    """:meth:`TransformerLM.generate`'s ``attention_mask`` checked as left padding and extended by the new
+    tokens' ones: (B, T + max_new_tokens); None when there is none or it pads nothing."""
+    if attention_mask is None:
+        return None
+    if attention_mask.shape != input_ids.shape:
+        raise ConfigError(f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids "
+                          f"{tuple(input_ids.shape)}")
+    m = attention_mask.long()
+    if not bool(((m == 0) | (m == 1)).all()) or bool((m[:, 1:] < m[:, :-1]).any()) or not bool(m[:, -1].all()):
+        raise ConfigError("attention_mask must be left padding: per row 0s (padding) then 1s (the prompt, at "
+                          "least one token)")
+    if bool(m.all()):
+        return None
+    return torch.cat([m, m.new_ones(m.shape[0], max_new_tokens)], dim=1)
 
 
 def _stop_tensor(stop_ids: int | Sequence[int] | None, vocab_size: int, device: torch.device) -> Tensor | None:
