@@ -116,6 +116,19 @@ def test_a_signal_mid_write_leaves_nothing_and_says_so(folders, tmp_path, comman
     assert after_inputs == before_inputs
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_command_starts_is_the_same_one_line(tmp_path, sig) -> None:
+    """A signal before the command has read its options (held: building the parser): what torchrun sends a
+    rank still starting when its peer has already failed. It was a KeyboardInterrupt traceback (seen under
+    torchrun with 2 processes); now exit 130 and the one line, as later."""
+    out = tmp_path / "out"
+    output = _interrupted_while_held(tmp_path, "hybridnorm.cli_parser:build_parser",
+                                     ["export", str(tmp_path / "no_run"), "--to", "hf", str(out)], sig)
+    lines = [ln for ln in output.splitlines() if ln.startswith(("interrupted", "error"))]
+    assert lines == ["interrupted: nothing was written (a partly written output is removed)"], output[-3000:]
+    assert not out.exists()
+
+
 def test_the_same_export_without_a_signal_writes_the_folder(folders, tmp_path) -> None:
     """The control: the held function, released without a signal, lets the export finish (so the test above
     fails for the signal, not for the wrapper)."""

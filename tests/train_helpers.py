@@ -21,9 +21,22 @@ import torch.multiprocessing as mp
 from hybridnorm.config import SIZES
 from hybridnorm.nn.block import Block
 
-# torchrun of the interpreter running the tests (``torchrun`` on PATH may belong to another Python with another
-# torch: a test in a venv then compared its own torch with the system's, and failed on their numbers)
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+def _torchrun() -> list[str]:
+    """torchrun of the interpreter running the tests (``torchrun`` on PATH may belong to another Python with
+    another torch: a test in a venv then compared its own torch with the system's, and failed on their numbers),
+    as a user types it. On one machine torch 2.13's torchrun meets at a free port (c10d at ``localhost:0``) where
+    older ones (2.11) take the fixed port 29500, on which two pytest workers' runs collided (EADDRINUSE): there
+    it gets ``--standalone``, the free-port rendezvous that 2.13 uses by default."""
+    import inspect
+
+    import torch.distributed.run as launcher
+
+    free_port_by_default = inspect.getsource(launcher.run).count('"localhost:0"') >= 2  # and under --standalone
+    return [sys.executable, "-m", "torch.distributed.run", *([] if free_port_by_default else ["--standalone"])]
+
+
+TORCHRUN = _torchrun()
 
 WORDS = ("the lord said unto moses and aaron go forth into a land of milk and honey where the people shall "
          "keep my law by day and by night for they are my people and i am their god behold the river ran "

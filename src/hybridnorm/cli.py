@@ -272,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     # temporary file are removed on the way out) and ends in one "interrupted:" line and 130; in train's
     # loop a stop saves first; a repeated signal breaks neither
     with process_signals():
-        return _main(words, command, argv)
+        try:
+            return _main(words, command, argv)
+        except KeyboardInterrupt:  # before the command's own handler: while it starts (imports, options), as
+            print(_interrupted(command), file=sys.stderr)  # when torchrun stops a rank whose peer failed first
+            return EXIT_INTERRUPTED
 
 
 def _interrupted(command: str | None) -> str:

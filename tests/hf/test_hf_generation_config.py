@@ -75,9 +75,13 @@ def test_the_folders_defaults_are_followed_as_transformers_follows_them(exported
 
 def test_options_override_the_file_field_by_field(exported: Path, tmp_path: Path) -> None:
     folder = with_generation_config(exported, tmp_path, do_sample=True, temperature=0.7, top_p=0.9)
-    got = command(folder, 5, "--temperature=1.2", "--top-k=0").stdout
-    assert got == transformers_text(folder, 5, temperature=1.2, top_k=0)  # top_p 0.9 still the file's
-    assert got != transformers_text(folder, 5, temperature=1.2, top_k=0, top_p=1.0)
+    got = {seed: command(folder, seed, "--temperature=1.2", "--top-k=0").stdout for seed in (5, 6, 7)}
+    for seed, text in got.items():
+        assert text == transformers_text(folder, seed, temperature=1.2, top_k=0)  # top_p 0.9 still the file's
+    # top_p 1.0 draws other text from some seed (not every one: a draw can fall inside the top 0.9 either way;
+    # seed 5 alone did, on torch 2.11's weights of the same run)
+    assert any(text != transformers_text(folder, seed, temperature=1.2, top_k=0, top_p=1.0)
+               for seed, text in got.items())
     # a temperature given samples even where the file says greedy (the command has no --do-sample)
     greedy = with_generation_config(exported, tmp_path / "g", do_sample=False)
     assert command(greedy, 5, "--temperature=0.9").stdout == transformers_text(greedy, 5, do_sample=True,
