@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-from datasets import Dataset
+if TYPE_CHECKING:
+    from datasets import Dataset
 from test_hf_stock_parity import random_gains, tiny  # tests/hf/: the tiny configs and randomized gains
 from test_hf_stock_seams import CASES
 from transformers import (
@@ -201,6 +203,8 @@ def test_a_left_padded_row_scores_what_it_scores_alone(tmp_path: Path) -> None:
 
 
 def rows(head: str, n: int = 10) -> Dataset:
+    """A labelled set for a head's ``Trainer`` test; those tests alone need ``datasets`` (the GPU image lacks it)."""
+    datasets = pytest.importorskip("datasets", reason="the dev extra's datasets is not installed")
     g = torch.Generator().manual_seed(6)
     ids = torch.randint(0, PAD, (n, 8), generator=g)
     if head == "token":
@@ -213,7 +217,7 @@ def rows(head: str, n: int = 10) -> Dataset:
         labels = torch.randint(0, 2, (n, 3), generator=g).float()
     else:
         labels = torch.randn(n, generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
 
 
 def no_dropout(folder: Path, head_kw: dict) -> object:
