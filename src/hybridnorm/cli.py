@@ -140,7 +140,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     from hybridnorm.data import chat_templates
     from hybridnorm.data.tokenizer import with_start
     from hybridnorm.loading import inference_device, load_run
-    from hybridnorm.nn.model import check_generate_args
+    from hybridnorm.nn.model import check_generate_args, left_padded
     from hybridnorm.nn.sampling_defaults import COMMAND_DEFAULTS, FIELDS
 
     written = {k: v for k in FIELDS if (v := getattr(args, k)) is not None}  # the sampling options given
@@ -173,9 +173,8 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     # and the exported HF tokenizer do
     rows = [with_start(run.tokenizer, run.tokenizer.encode(p)) for p in prompts]
     # several prompts: one batch, left-padded (end-of-text, our exported tokenizers' pad) and masked
-    width = max(map(len, rows))
-    ids = torch.tensor([[run.tokenizer.eot_id] * (width - len(r)) + r for r in rows], device=device)  # (B, P)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    ids, mask = left_padded(rows, run.tokenizer.eot_id, device)  # (B, P) each
+    width = ids.shape[1]
     # ends after the end-of-text token (or an HF folder's other eos ids), as transformers' generate ends
     stops = [run.tokenizer.eot_id, *run.stop_ids]
     out = run.model.generate(ids, args.max_new_tokens, **asdict(sampling), generator=gen,
@@ -274,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     with process_signals():
         try:
             return _main(words, command, argv)
-        except KeyboardInterrupt:  # before the command's own handler: while it starts (imports, options), as
-            print(_interrupted(command), file=sys.stderr)  # when torchrun stops a rank whose peer failed first
+        except KeyboardInterrupt:  # at any moment, while the command starts too (imports, options), as when
+            print(_interrupted(command), file=sys.stderr)  # torchrun stops a rank whose peer failed first
             return EXIT_INTERRUPTED
 
 
@@ -347,9 +346,6 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
         hint = "; resume from the newest complete checkpoint with --resume" if lost else ""
         print(f"error: {' '.join(str(e).split())}{hint}", file=sys.stderr)  # one line, whatever the message
         return EXIT_FAILED if lost else EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(_interrupted(args.command), file=sys.stderr)
-        return EXIT_INTERRUPTED
     finally:
         warnings.formatwarning = old_format
 

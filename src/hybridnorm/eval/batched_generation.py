@@ -28,7 +28,7 @@ import torch
 from hybridnorm.data.tokenizer import Tokenizer, with_start
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.scoring import GREEDY, cut_at_stop, generate_until, shows_stop
-from hybridnorm.nn.model import TransformerLM
+from hybridnorm.nn.model import TransformerLM, left_padded
 from hybridnorm.nn.sampling import Sampling
 
 
@@ -51,8 +51,7 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
         return [generate_until(model, tokenizer, c, until, max_gen_toks, stop_ids, sampling, generator)
                 for c in contexts]
     device = model.embed.weight.device
-    ids = torch.tensor([[eot] * (P - len(r)) + r for r in rows], device=device)  # (B, P) left-padded
-    real = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=device)  # (B, P)
+    ids, real = left_padded(rows, eot, device)  # (B, P) each: left-padded, 1 over a row's own tokens
     mask = None if bool(real.all()) else torch.cat([real, real.new_ones(B, max_gen_toks)], 1)
     seen = None  # (B, V_emb) the real tokens so far, for the repetition penalty
     cache = model.new_cache(B, P + max_gen_toks)

@@ -267,6 +267,16 @@ class TransformerLM(nn.Module):
         return torch.cat(out, dim=1)
 
 
+def left_padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str | None = None,
+                ) -> tuple[Tensor, Tensor]:
+    """Token rows of several lengths as :meth:`TransformerLM.generate` takes them: the (B, P) ids, each row
+    left-padded with ``pad_id`` to the longest, and their (B, P) ``attention_mask``, 0 over the padding."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
 def _left_padding(attention_mask: Tensor | None, input_ids: Tensor, max_new_tokens: int) -> Tensor | None:
     """:meth:`TransformerLM.generate`'s ``attention_mask`` checked as left padding and extended by the new
     tokens' ones: (B, T + max_new_tokens); None when there is none or it pads nothing."""

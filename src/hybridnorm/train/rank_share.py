@@ -68,6 +68,4 @@ def _split(values: list[float], lengths: list[int]) -> list[Row]:
 def scored_on_ranks(score: Callable[[list[T]], Sequence[Sequence[float]]], items: Sequence[T], d: Dist,
                     ) -> list[Row]:
     """``score`` (items -> one row per item) of every item, each rank scoring only its :func:`share`."""
-    if d.world_size == 1:
-        return [tuple(map(float, r)) for r in score(list(items))]
     return gather_rows(score([items[i] for i in share(len(items), d)]), len(items), d)
