@@ -352,6 +352,20 @@ def test_eval_of_a_single_checkpoint_and_fallback_past_a_corrupt_one(run, tmp_pa
 
 
 @pytest.mark.parametrize("command", ["eval", "generate", "export"])
+def test_a_runs_checkpoints_folder_is_refused_naming_what_to_pass(run, tmp_path, capsys, command):
+    folder = run / "checkpoints"
+    newest = sorted(folder.glob("step_*"))[-1]
+    argv = {"eval": ["eval", str(folder), "--batches", "1"], "generate": ["generate", str(folder)],
+            "export": ["export", str(folder), "--to", "hf", str(tmp_path / "hf")]}[command]
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    assert f"pass the run folder {run} " in err[0] and str(newest) in err[0]
+    assert cli.main([argv[0], str(newest), *argv[2:]]) == 0  # the checkpoint it names works
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "export"])
 def test_a_run_whose_every_checkpoint_is_corrupt_is_one_error_line_naming_the_newest_file(run, tmp_path, capsys,
                                                                                           command):
     bad = _corrupt_step4(run, tmp_path)

@@ -12,8 +12,7 @@ import os
 import sys
 import warnings
 
-from hybridnorm.cli_parser import DEFAULT_PROMPT, build_parser
-from hybridnorm.config_base import is_utf8
+from hybridnorm.cli_parser import build_parser
 from hybridnorm.config_text import parse_text
 from hybridnorm.errors import CollectiveError, ConfigError
 
@@ -133,63 +132,9 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
-    from dataclasses import asdict
+    from hybridnorm.generate_command import run_generate
 
-    import torch
-
-    from hybridnorm.data import chat_templates
-    from hybridnorm.data.tokenizer import with_start
-    from hybridnorm.loading import inference_device, load_run
-    from hybridnorm.nn.model import check_generate_args, left_padded
-    from hybridnorm.nn.sampling_defaults import COMMAND_DEFAULTS, FIELDS
-
-    written = {k: v for k in FIELDS if (v := getattr(args, k)) is not None}  # the sampling options given
-    check_generate_args(args.max_new_tokens, **{**COMMAND_DEFAULTS, **written}, seed=args.seed,
-                        as_options=True)  # before loading
-    prompts = args.prompt or [DEFAULT_PROMPT]
-    for name, text in [*(("prompt", p) for p in prompts), ("system", args.system)]:
-        if text is not None and not is_utf8(text):
-            raise ConfigError(f"--{name}={text!r} is not valid UTF-8 text: pass it as UTF-8")
-    for flag, given in (("--system", args.system), ("--chat-template-args", args.chat_template_args)):
-        if given is not None and args.chat is None:
-            raise ConfigError(f"{flag} is for a chat turn: it needs --chat")
-    template_args = chat_templates.template_args(args.chat_template_args, "--chat-template-args")
-    device = inference_device(args.device) or torch.device("cpu")  # before the minutes of loading
-    run = load_run(args.checkpoint)
-    run.model.to(device)
-    sampling = run.generation.resolve(written)  # an HF folder's generation_config.json sets the defaults
-    if note := run.generation.note(written):
-        print(note, file=sys.stderr)
-    if args.chat is not None:
-        from hybridnorm.hf.chat import ChatFormatter
-
-        turns = [{"role": "system", "content": args.system}] if args.system is not None else []
-        prompts = [ChatFormatter(run)([*turns, {"role": "user", "content": p}], args.chat, template_args)
-                   for p in prompts]
-    # the device's own generator: on a GPU, the stream transformers' generate draws from after torch.manual_seed
-    gen = torch.Generator(device).manual_seed(args.seed)
-    # the start token first (<|endoftext|> for our tokenizers: every training document followed one; a
-    # folder's own BOS where its tokenizer adds one, once: a chat template may write it), as the evaluators
-    # and the exported HF tokenizer do
-    rows = [with_start(run.tokenizer, run.tokenizer.encode(p)) for p in prompts]
-    # several prompts: one batch, left-padded (end-of-text, our exported tokenizers' pad) and masked
-    ids, mask = left_padded(rows, run.tokenizer.eot_id, device)  # (B, P) each
-    width = ids.shape[1]
-    # ends after the end-of-text token (or an HF folder's other eos ids), as transformers' generate ends
-    stops = [run.tokenizer.eot_id, *run.stop_ids]
-    out = run.model.generate(ids, args.max_new_tokens, **asdict(sampling), generator=gen,
-                             stop_ids=None if args.ignore_eos else stops, attention_mask=mask)
-    for b, row in enumerate(rows):
-        new = out[b, width:].tolist()
-        end = next((j for j, t in enumerate(new) if t in stops), None) if not args.ignore_eos else None
-        new = new if end is None else new[:end + 1]  # a row that ended was fed its stop token since
-        if b:
-            print()  # a blank line between the texts of several prompts
-        if args.chat is None:
-            print(run.tokenizer.decode([*row[1:], *new]))
-        else:  # the reply alone, without the token that ended it
-            print(run.tokenizer.decode(new[:-1] if end is not None else new))
-    return 0
+    return run_generate(args)
 
 
 def _eval(args: argparse.Namespace, extra: list[str]) -> int:

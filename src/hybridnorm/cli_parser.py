@@ -66,6 +66,15 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
                    help=f"the text to continue (default {DEFAULT_PROMPT!r}); given several times, the prompts are "
                         "generated as one left-padded batch, as transformers' generate takes one, and the texts "
                         "printed in order, a blank line between (greedy: each as it is alone)")
+    g.add_argument("--prompt-file", metavar="FILE",
+                   help="prompts from a file instead (-: standard input): one per line, or a .jsonl file's "
+                        "string field 'prompt' per line (a prompt with newlines); blank lines skipped")
+    g.add_argument("--batch-size", type=int, default=16,
+                   help="prompts generated together, one left-padded batch, in order (default 16; a sampled "
+                        "text depends on it, greedy does not)")
+    g.add_argument("--output", metavar="FILE.jsonl",
+                   help="write one JSON record per prompt, in order, instead of printing the texts: prompt, "
+                        "completion, finish_reason (stop | length), prompt_tokens, completion_tokens")
     g.add_argument("--max-new-tokens", type=int, default=100)
     # sampling: None = not given, so a folder's generation_config.json can set it (nn.sampling_defaults)
     g.add_argument("--temperature", type=float, help="0: greedy (default 0.8, or the folder's generation_config.json)")

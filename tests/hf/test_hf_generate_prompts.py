@@ -60,3 +60,4 @@ def test_every_prompt_is_checked_and_the_window_counts_the_longest(trained_run: 
     over = cli_in_process("generate", str(trained_run), "--prompt", "a", "--prompt", long, "--max-new-tokens=5",
                           ok=False)
     assert over.stderr.startswith("error: a prompt of ") and "max_seq_len" in over.stderr and over.stdout == ""
+    assert "(--prompt 2)" in over.stderr  # which one

@@ -121,6 +121,15 @@ def adapter_hint(path: str | Path) -> str:
             ".merge_and_unload().save_pretrained(OUT), and save the base's tokenizer to OUT too")
 
 
+def _checkpoints_folder_hint(path: Path) -> str:
+    """Said when ``path`` is itself a run's ``checkpoints`` folder: what to pass instead."""
+    steps = sorted(p.name for p in path.glob("step_*") if p.is_dir())
+    if not steps:
+        return ""
+    return (f"; {path} is a run's checkpoints folder: pass the run folder {path.parent} (its newest good "
+            f"checkpoint) or one checkpoint, e.g. {path / steps[-1]}")
+
+
 def is_hf_folder(path: str | Path) -> bool:
     """A Hugging Face model folder: a ``config.json`` and no run ``config.yaml``."""
     path = Path(path)
@@ -140,7 +149,7 @@ def open_run(path: str | Path) -> Run:
         if ckpt is None:
             raise CheckpointError(f"{path} has no usable checkpoint" + (
                 f" ({len(bad)} found, none verifies; the newest: {bad[0]})" if bad
-                else " (no checkpoints/step_* folder)") + adapter_hint(path))
+                else f" (no checkpoints/step_* folder{_checkpoints_folder_hint(path)})") + adapter_hint(path))
     # the files this checkpoint was written with (its own copies; an older checkpoint's are its run's)
     cfg_file, tok_file = checked_run_file(ckpt, "config.yaml"), checked_tokenizer_file(ckpt)
     cfg = TrainConfig.load(cfg_file)
