@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, str]] = [
     ("hybridnorm.eval", "scoring, perplexity and lm-eval on a loaded run"),
     ("hybridnorm.experiments", "grids of training runs, verdicts and reports"),
     ("hybridnorm.cli_parser", "the command line's options and help; the commands are passed in"),
+    ("hybridnorm.generate_command", "the generate command: prompts in, texts or records out"),
     ("hybridnorm.cli", "the command line: may import everything"),
 ]
 

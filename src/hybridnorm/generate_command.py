@@ -78,7 +78,8 @@ def prompts_of(args: argparse.Namespace) -> list[Prompt]:
         prompts = [Prompt(t, "--prompt" if len(texts) == 1 else f"--prompt {i}") for i, t in enumerate(texts, 1)]
     for p in prompts:  # a file was decoded as UTF-8 already; a command-line word may not be
         if not is_utf8(p.text):
-            raise ConfigError(f"--prompt={p.text!r} is not valid UTF-8 text: pass it as UTF-8 ({p.where})")
+            which = "" if p.where == "--prompt" else f" ({p.where})"
+            raise ConfigError(f"--prompt={p.text!r} is not valid UTF-8 text: pass it as UTF-8{which}")
     return prompts
 
 
@@ -93,7 +94,8 @@ def check_output(args: argparse.Namespace) -> None:
     if out.is_dir():
         raise ConfigError(f"--output {out} is a folder: name the JSON Lines file to write, e.g. "
                           f"{out / 'completions.jsonl'}")
-    if args.prompt_file not in (None, "-") and out.exists() and os.path.samefile(out, args.prompt_file):
+    source = None if args.prompt_file in (None, "-") else Path(args.prompt_file)
+    if source is not None and out.exists() and source.exists() and os.path.samefile(out, source):
         raise ConfigError(f"--output {out} is the --prompt-file: writing it would overwrite the prompts")
     check_writable_dir(out.parent, f"--output {out}: its folder")
 

@@ -77,3 +77,44 @@ def test_on_a_known_gpu_the_run_reports_mfu_against_the_datasheet(make_cfg, tmp_
     fpt = flops.flops_per_token(run.model, run.config.seq_len)
     rows = [r for r in read_metrics(tmp_path / "run", "train") if "mfu" in r]
     assert rows and all(r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / 989e12, rel=1e-9) for r in rows)
+
+
+@pytest.mark.parametrize(("probe_seconds", "n", "sizes"), [
+    (0.0, 2048, [256]),                        # a product already this slow at 256 is measured there
+    (float("inf"), 1024, [256, 512, 1024]),    # a fast one grows, doubling, to n
+    (float("inf"), 100, [100]),                # n below the first probe size: n itself
+])
+def test_the_matmul_grows_until_one_product_is_slow_enough_to_time(monkeypatch, probe_seconds, n, sizes):
+    """The size rule, without timing anything: the probe's threshold set to 0 s (every product counts as slow)
+    or to infinity (none does). Found on a CPU without native bf16, where 16 bf16 products of 2048² took ~5
+    minutes before a bf16 run's first step."""
+    made = []
+    real = torch.randn
+
+    def randn(*shape, **kw):
+        made.append(shape[0])
+        return real(*shape, **kw)
+
+    monkeypatch.setattr(flops, "PROBE_SECONDS", probe_seconds)
+    monkeypatch.setattr(flops.torch, "randn", randn)
+    rate = flops.matmul_flops("cpu", torch.float32, n, reps=1, rounds=1)
+    assert made[::2] == sizes and rate > 0  # two matrices a size
+
+
+@pytest.mark.parametrize(("bf16", "fp32", "device", "expected"), [
+    (1.3e9, 1.7e11, "cpu", 1.7e11),   # bf16 emulated through fp32 (AVX2 only): fp32's rate is the ceiling
+    (9.0e11, 2.1e11, "cpu", 9.0e11),  # native bf16 (AVX512-BF16, AMX): bf16's own
+    (1.0e12, 2.0e12, "cuda", 1.0e12), # a GPU without a datasheet entry: the dtype's own, never compared
+])
+def test_the_mfu_peak_of_a_bf16_run_is_the_faster_of_bf16_and_fp32_on_a_cpu(bf16, fp32, device, expected):
+    asked = []
+
+    def measure(dev, dtype, n):
+        asked.append((dev, dtype, n))
+        return {torch.bfloat16: bf16, torch.float32: fp32}[dtype]
+
+    peak, source = flops.cpu_or_measured_peak(torch.device(device), torch.bfloat16, measure)
+    assert peak == expected and ("fp32" in source) == (expected == fp32 != bf16)
+    assert asked[0] == (device, torch.bfloat16, 8192 if device == "cuda" else 2048)
+    peak, source = flops.cpu_or_measured_peak(torch.device("cpu"), torch.float32, measure)
+    assert (peak, source) == (fp32, "measured matmul")

@@ -34,10 +34,14 @@ def test_auto_on_cpu_follows_native_bf16_and_width(monkeypatch, amx, avx512_bf16
     assert chosen == expected and why.startswith("auto: ")
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("requested", ["fp32", "bf16"])
-def test_an_explicit_precision_is_kept(monkeypatch, requested):
-    _cpu_bf16(monkeypatch, False, False)
-    assert precision.choose_precision(requested, CPU, 64) == (requested, "as configured")
+def test_an_explicit_precision_is_kept(monkeypatch, requested, native):
+    _cpu_bf16(monkeypatch, False, native)
+    chosen, why = precision.choose_precision(requested, CPU, 64)
+    assert chosen == requested and why.startswith("as configured")
+    # bf16 asked for where it is emulated: kept, and the log line says what it costs
+    assert ("emulated" in why) == (requested == "bf16" and not native), why
 
 
 def test_auto_on_gpus_and_others(monkeypatch):

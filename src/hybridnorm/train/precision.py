@@ -37,6 +37,9 @@ def choose_precision(requested: str, device: torch.device, d_model: int) -> tupl
     """The precision to train in, ``"fp32"`` or ``"bf16"``, and why (one short clause for the log).
 
     ``requested`` other than ``"auto"`` is kept as it is."""
+    if requested == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        return "bf16", ("as configured; this CPU has no native bf16 (AMX or AVX512-BF16), so its bf16 matmuls are "
+                        "emulated, many times slower than fp32 (--precision=auto picks fp32 here)")
     if requested != "auto":
         return requested, "as configured"
     if device.type == "cuda":

@@ -61,7 +61,7 @@ from hybridnorm.train.distributed import (
     init_distributed,
     resolve_device,
 )
-from hybridnorm.train.flops import flops_per_token, gpu_datasheet_peak, measured_peak_flops
+from hybridnorm.train.flops import cpu_or_measured_peak, flops_per_token, gpu_datasheet_peak, measured_peak_flops
 from hybridnorm.train.host_sync import PendingSteps, StepRecord, deferred
 from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, set_lr, short_warmup_note
@@ -212,8 +212,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     log = MetricsLogger(run_dir, cfg.max_steps, state.step, enabled=d.is_main, echo=not quiet)
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     # a GPU's datasheet peak where known (flops.py: a timed matmul reads far under it on a GPU), else measured
-    peak, peak_source = gpu_datasheet_peak(device, dtype) or (
-        measured_peak_flops(str(device), dtype, 8192 if device.type == "cuda" else 2048), "measured matmul")
+    peak, peak_source = gpu_datasheet_peak(device, dtype) or cpu_or_measured_peak(device, dtype, measured_peak_flops)
     peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens),
                 hardware(device, d.world_size), peak, peak_source)
