@@ -27,38 +27,34 @@ class Prompt:
 def read_prompt_file(path: str) -> list[Prompt]:
     """The prompts of ``path`` (``-``: standard input). A ``.jsonl`` file holds one JSON object per line with a
     string field ``prompt`` (so a prompt may hold newlines); any other file one prompt per line. Blank lines
-    are skipped in both. Anything else is one ConfigError naming the file and line."""
-    name = "standard input" if path == "-" else path
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except IsADirectoryError:
-        raise ConfigError(f"--prompt-file {path} is a folder: name a .txt or .jsonl file of prompts") from None
-    except OSError as e:
-        raise ConfigError(f"--prompt-file {path}: cannot read it: {e.strerror or e}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--prompt-file {name} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 4]!r}); "
-                          f"re-encode it, e.g. with iconv -t UTF-8") from None
-    jsonl = path.endswith(".jsonl")
-    prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{name}:{n}"
-        prompts.append(Prompt(_json_prompt(line, where) if jsonl else line, where))
+    are skipped in both. Anything else is one ConfigError naming the file and line (the corpus readers')."""
+    from hybridnorm.data.corpus import jsonl_records, read_text
+
+    what = "--prompt-file"
+    if path != "-" and Path(path).is_dir():
+        raise ConfigError(f"{what} {path} is a folder: name a .txt or .jsonl file of prompts")
+    if path.endswith(".jsonl"):
+        prompts = [Prompt(_prompt_field(rec, f"{path}:{n}"), f"{path}:{n}")
+                   for n, rec in jsonl_records(Path(path), what)]
+    else:
+        text = _stdin_text() if path == "-" else read_text(Path(path), what)
+        name = "standard input" if path == "-" else path
+        prompts = [Prompt(line, f"{name}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not prompts:
-        raise ConfigError(f"--prompt-file {name} holds no prompts (every line is blank)")
+        raise ConfigError(f"{what} {'standard input' if path == '-' else path} holds no prompts (every line is blank)")
     return prompts
 
 
-def _json_prompt(line: str, where: str) -> str:
+def _stdin_text() -> str:
+    data = sys.stdin.buffer.read()
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--prompt-file {where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(record, dict):
-        raise ConfigError(f"--prompt-file {where}: expected a JSON object per line, got {type(record).__name__}")
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompt-file standard input is not UTF-8 text (byte {e.start}: "
+                          f"{data[e.start:e.start + 4]!r}); re-encode it, e.g. with iconv -t UTF-8") from None
+
+
+def _prompt_field(record: dict, where: str) -> str:
     prompt = record.get("prompt")
     if not isinstance(prompt, str):
         got = "missing" if "prompt" not in record else f"a {type(prompt).__name__}"

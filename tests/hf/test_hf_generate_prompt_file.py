@@ -118,6 +118,14 @@ def test_jsonl_prompts_with_newlines_and_standard_input(trained_run: Path, tmp_p
     assert alone == prompts[1] + records(piped)[1]["completion"] + "\n"
 
 
+def test_a_byte_order_mark_and_crlf_line_ends_are_not_part_of_a_prompt(trained_run: Path, tmp_path: Path) -> None:
+    f = tmp_path / "windows.txt"
+    f.write_bytes("\ufeffBehold\r\nFor the\r\n".encode())
+    out = tmp_path / "c.jsonl"
+    cli_in_process("generate", str(trained_run), "--prompt-file", str(f), "--max-new-tokens=2", "--output", str(out))
+    assert [r["prompt"] for r in records(out)] == ["Behold", "For the"]
+
+
 def test_an_interrupted_run_leaves_the_previous_output_as_it_was(trained_run: Path, tmp_path: Path, capsys,
                                                                   monkeypatch) -> None:
     from hybridnorm.nn.model import TransformerLM
@@ -147,6 +155,7 @@ BAD_FILES = {  # name -> (content, what the one error line holds)
     "list.jsonl": (b'["a"]\n', ["list.jsonl:1", "JSON object"]),
     "field.jsonl": (b'{"text": "a"}\n', ["field.jsonl:1", "'prompt'", "'text'"]),
     "number.jsonl": (b'{"prompt": 5}\n', ["number.jsonl:1", "a int"]),
+    "deep.jsonl": (b'{"prompt": "a"}\n{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", ["deep.jsonl:2"]),
 }
 
 
