@@ -39,7 +39,8 @@ def read_prompt_file(path: str) -> list[Prompt]:
     else:
         text = _stdin_text() if path == "-" else read_text(Path(path), what)
         name = "standard input" if path == "-" else path
-        prompts = [Prompt(line, f"{name}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        # "\n" alone ends a line, as for the corpus (str.splitlines would also split at U+2028, U+0085, ...)
+        prompts = [Prompt(line, f"{name}:{n}") for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not prompts:
         raise ConfigError(f"{what} {'standard input' if path == '-' else path} holds no prompts (every line is blank)")
     return prompts
@@ -48,7 +49,7 @@ def read_prompt_file(path: str) -> list[Prompt]:
 def _stdin_text() -> str:
     data = sys.stdin.buffer.read()
     try:
-        return data.decode("utf-8").removeprefix("\ufeff")
+        return data.decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n")  # as the corpus reader
     except UnicodeDecodeError as e:
         raise ConfigError(f"--prompt-file standard input is not UTF-8 text (byte {e.start}: "
                           f"{data[e.start:e.start + 4]!r}); re-encode it, e.g. with iconv -t UTF-8") from None
@@ -111,9 +112,14 @@ class Completion:
     completion_tokens: int  # the ending token included, as transformers' generate returns it
 
 
+# characters str.splitlines (and some editors) end a line at, which json.dumps(ensure_ascii=False) leaves as they
+# are: escaped, so that a record is one line to every reader
+LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def write_jsonl(f: IO[str], completions: list[Completion]) -> None:
     for c in completions:
-        f.write(json.dumps(asdict(c), ensure_ascii=False) + "\n")
+        f.write(json.dumps(asdict(c), ensure_ascii=False).translate(LINE_BREAKS) + "\n")
 
 
 def run_generate(args: argparse.Namespace) -> int:

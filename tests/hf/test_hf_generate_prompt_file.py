@@ -120,10 +120,11 @@ def test_jsonl_prompts_with_newlines_and_standard_input(trained_run: Path, tmp_p
 
 def test_a_byte_order_mark_and_crlf_line_ends_are_not_part_of_a_prompt(trained_run: Path, tmp_path: Path) -> None:
     f = tmp_path / "windows.txt"
-    f.write_bytes("\ufeffBehold\r\nFor the\r\n".encode())
+    f.write_bytes("\ufeffBehold\r\nFor the\u2028Lord\r\n".encode())  # U+2028 is no line end here
     out = tmp_path / "c.jsonl"
     cli_in_process("generate", str(trained_run), "--prompt-file", str(f), "--max-new-tokens=2", "--output", str(out))
-    assert [r["prompt"] for r in records(out)] == ["Behold", "For the"]
+    assert [r["prompt"] for r in records(out)] == ["Behold", "For the\u2028Lord"]
+    assert "\u2028" not in out.read_text(encoding="utf-8")  # escaped: str.splitlines would end a line there
 
 
 def test_an_interrupted_run_leaves_the_previous_output_as_it_was(trained_run: Path, tmp_path: Path, capsys,
