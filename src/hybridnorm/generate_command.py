@@ -30,7 +30,7 @@ def read_prompt_file(path: str) -> list[Prompt]:
     are skipped in both. Anything else is one ConfigError naming the file and line (the corpus readers')."""
     from hybridnorm.data.corpus import jsonl_records, read_text
 
-    what = "--prompt-file"
+    what, name = "--prompt-file", "standard input" if path == "-" else path
     if path != "-" and Path(path).is_dir():
         raise ConfigError(f"{what} {path} is a folder: name a .txt or .jsonl file of prompts")
     if path.endswith(".jsonl"):
@@ -38,11 +38,10 @@ def read_prompt_file(path: str) -> list[Prompt]:
                    for n, rec in jsonl_records(Path(path), what)]
     else:
         text = _stdin_text() if path == "-" else read_text(Path(path), what)
-        name = "standard input" if path == "-" else path
         # "\n" alone ends a line, as for the corpus (str.splitlines would also split at U+2028, U+0085, ...)
         prompts = [Prompt(line, f"{name}:{n}") for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not prompts:
-        raise ConfigError(f"{what} {'standard input' if path == '-' else path} holds no prompts (every line is blank)")
+        raise ConfigError(f"{what} {name} holds no prompts (every line is blank)")
     return prompts
 
 
@@ -117,9 +116,8 @@ class Completion:
 LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def write_jsonl(f: IO[str], completions: list[Completion]) -> None:
-    for c in completions:
-        f.write(json.dumps(asdict(c), ensure_ascii=False).translate(LINE_BREAKS) + "\n")
+def write_record(f: IO[str], c: Completion) -> None:
+    f.write(json.dumps(asdict(c), ensure_ascii=False).translate(LINE_BREAKS) + "\n")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -173,34 +171,33 @@ def run_generate(args: argparse.Namespace) -> int:
     # one stream through the batches, so a sampled text depends on --batch-size (greedy does not)
     gen = torch.Generator(device).manual_seed(args.seed)
 
-    def generated(batch: list[tuple[Prompt, list[int]]]) -> list[tuple[list[int], list[int], bool]]:
-        """Each row's (prompt ids, new ids up to and with the one that ended it, whether one did)."""
-        ids, mask = left_padded([row for _, row in batch], run.tokenizer.eot_id, device)  # (B, P) each
-        out = run.model.generate(ids, args.max_new_tokens, **asdict(sampling), generator=gen,
-                                 stop_ids=None if args.ignore_eos else stops, attention_mask=mask)
-        results = []
-        for b, (_, row) in enumerate(batch):
-            new = out[b, ids.shape[1]:].tolist()
-            end = None if args.ignore_eos else next((j for j, t in enumerate(new) if t in stops), None)
-            results.append((row, new if end is None else new[:end + 1], end is not None))  # a row that ended
-        return results                                                       # was fed its stop token since
+    def results() -> Iterator[tuple[Prompt, list[int], list[int], bool]]:
+        """Each prompt's (prompt, its ids, the new ids up to and with the one that ended it, whether one did),
+        in order, generated a batch at a time."""
+        pairs = list(zip(prompts, rows, strict=True))
+        for batch in batches(pairs, args.batch_size):
+            ids, mask = left_padded([row for _, row in batch], run.tokenizer.eot_id, device)  # (B, P) each
+            out = run.model.generate(ids, args.max_new_tokens, **asdict(sampling), generator=gen,
+                                     stop_ids=None if args.ignore_eos else stops, attention_mask=mask)
+            for b, (prompt, row) in enumerate(batch):
+                new = out[b, ids.shape[1]:].tolist()
+                end = None if args.ignore_eos else next((j for j, t in enumerate(new) if t in stops), None)
+                # a row that ended was fed its stop token since
+                yield prompt, row, new if end is None else new[:end + 1], end is not None
 
-    pairs = list(zip(prompts, rows, strict=True))
     if args.output is None:
-        for i, batch in enumerate(batches(pairs, args.batch_size)):
-            for j, (row, new, ended) in enumerate(generated(batch)):
-                if i or j:
-                    print()  # a blank line between the texts of several prompts
-                if args.chat is None:
-                    print(run.tokenizer.decode([*row[1:], *new]), flush=True)
-                else:  # the reply alone, without the token that ended it
-                    print(run.tokenizer.decode(new[:-1] if ended else new), flush=True)
+        for i, (_, row, new, ended) in enumerate(results()):
+            if i:
+                print()  # a blank line between the texts of several prompts
+            if args.chat is None:
+                print(run.tokenizer.decode([*row[1:], *new]), flush=True)
+            else:  # the reply alone, without the token that ended it
+                print(run.tokenizer.decode(new[:-1] if ended else new), flush=True)
         return 0
     # all or nothing: a file renamed into place once every batch is written (interrupted: none is left)
     with atomic_file(Path(args.output)) as f:
-        for batch in batches(pairs, args.batch_size):
-            write_jsonl(f, [Completion(p.text, run.tokenizer.decode(new[:-1] if ended else new),
-                                       "stop" if ended else "length", len(row), len(new))
-                            for (p, _), (row, new, ended) in zip(batch, generated(batch), strict=True)])
+        for prompt, row, new, ended in results():
+            write_record(f, Completion(prompt.text, run.tokenizer.decode(new[:-1] if ended else new),
+                                       "stop" if ended else "length", len(row), len(new)))
     print(f"wrote {len(prompts)} completion{'s' * (len(prompts) != 1)} to {args.output}")
     return 0
