@@ -41,12 +41,9 @@ from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.regional import checkpoint_blocks, compile_blocks, compile_counts, compile_head_loss
 from hybridnorm.train.batch_split import per_step_state, resolve_split
 from hybridnorm.train.checkpoint import (
-    ResumePoint,
     TrainState,
-    checkpoint_for_resume,
     claim_run_dir,
     latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
     start_checkpoint,
 )
@@ -56,7 +53,6 @@ from hybridnorm.train.distributed import (
     agree,
     all_reduce_max,
     all_reduce_mean,
-    barrier,
     collective_error,
     init_distributed,
     resolve_device,
@@ -71,6 +67,11 @@ from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.provenance import code_versions, hardware
 from hybridnorm.train.resume_guard import check_resume
 from hybridnorm.train.run import write_run_files
+from hybridnorm.train.shared_folders import (
+    check_every_rank_sees_the_run_folder,
+    prepare_data_on_ranks,
+    resume_point,
+)
 from hybridnorm.train.step import autocast, clip_gradients, evaluate, forward_backward
 from hybridnorm.train.stop import StopFlag
 
@@ -85,13 +86,6 @@ class TrainResult:
     interrupted: bool = False
     diverged: bool = False
     bigram_entropy: float | None = None
-
-
-def _prepare_data(cfg: TrainConfig, d: Dist) -> PreparedData:
-    """Rank 0 tokenizes into the shared cache while the others wait; then every rank maps the files."""
-    data = cfg.data.prepare() if d.is_main else None
-    barrier(d)
-    return data if data is not None else cfg.data.prepare()
 
 
 def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data: PreparedData, step: int,
@@ -128,20 +122,6 @@ def _wrap_for_training(model: TransformerLM, cfg: TrainConfig, device: torch.dev
     return data_parallel(step_model, model, cfg, device, d)  # DDP, FSDP's no_sync adapter, or itself
 
 
-def _check_run_dir(run_dir: Path, resume: bool, d: Dist) -> ResumePoint:
-    if not resume:
-        if list_checkpoints(run_dir / "checkpoints"):
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            why = (f" (torchrun restarted this group, restart {restart}: with --max-restarts, give the command "
-                   f"--resume so that a restart continues from the newest checkpoint)" if restart != "0" else "")
-            raise ConfigError(f"run folder {run_dir} already has checkpoints: pass --resume to continue it "
-                              f"or choose another --out{why}")
-        return ResumePoint(None)
-    found = checkpoint_for_resume(run_dir / "checkpoints", set_aside_bad=d.is_main)  # rank 0 moves corrupt ones
-    barrier(d)
-    return found if d.is_main else checkpoint_for_resume(run_dir / "checkpoints", set_aside_bad=False)
-
-
 def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> TrainResult:
     """Train ``cfg`` into ``cfg.out_dir``, which is checked and locked first (one trainer per folder)."""
     cfg.validate()
@@ -156,6 +136,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False) -> Tra
             failed = e
         try:
             agree(failed, d, f"claiming out_dir={cfg.out_dir}")
+            check_every_rank_sees_the_run_folder(Path(cfg.out_dir), d, cfg.dist_timeout)
             return _train(cfg, device, d, resume=resume, quiet=quiet)
         except RuntimeError as e:  # a late or lost rank: one error naming this rank and the cause
             lost = collective_error(e, d, cfg.dist_timeout)
@@ -168,10 +149,10 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     if device.type == "cpu" and d.enabled:  # share the cores between the local processes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     run_dir = Path(cfg.out_dir)
-    found = _check_run_dir(run_dir, resume, d)
+    found = resume_point(run_dir, resume, d, cfg.dist_timeout)
     ckpt = found.path
 
-    data = _prepare_data(cfg, d)
+    data = prepare_data_on_ranks(cfg, d)
     stop_token_ids(cfg.data.stop_tokens, data.tokenizer, "the run's config")  # generation's: checked now, not then
     vocab = data.tokenizer.vocab_size
     if cfg.model.vocab_size != vocab:  # the model's vocab always follows the tokenizer's
@@ -213,7 +194,10 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     # a GPU's datasheet peak where known (flops.py: a timed matmul reads far under it on a GPU), else measured
     peak, peak_source = gpu_datasheet_peak(device, dtype) or cpu_or_measured_peak(device, dtype, measured_peak_flops)
-    peak *= d.world_size if device.type == "cuda" else 1  # CPU ranks share one machine's cores
+    # the job's peak: one device per process, a GPU or its threads' share of a CPU (whose peak is measured
+    # at this process's thread count); tokens/s counts every process's tokens
+    peak_source += f", {d.world_size} processes × {peak / 1e12:,.3g}" if d.world_size > 1 else ""
+    peak *= d.world_size
     _log_header(log, cfg, model, data, state.step, ckpt, len(train_tokens), len(val_tokens),
                 hardware(device, d.world_size), peak, peak_source)
     float8 = "; float8 matmuls in the blocks' linears" if cfg.float8 else ""
