@@ -21,13 +21,13 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from hybridnorm import plain_data
 from hybridnorm.data import PreparedData
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.checkpoint import ResumePoint, checkpoint_for_resume, list_checkpoints
-from hybridnorm.train.checkpoint.lock import LOCK_NAME
+from hybridnorm.train.checkpoint.lock import LOCK_NAME, describe_holder
 from hybridnorm.train.checkpoint.retention import problem_of
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import Dist
@@ -38,7 +38,7 @@ from hybridnorm.train.rank_wait import from_rank_0, on_every_rank
 SEE_WAIT_S = 10.0
 
 
-def _seen(read, want: str) -> str | None:
+def _seen(read: Callable[[], str | None], want: str | None) -> str | None:
     """``read()`` (what this rank sees) once it equals ``want``, else what it last was; retried for up to
     :data:`SEE_WAIT_S` seconds. ``read`` returns None for a missing file."""
     deadline = time.monotonic() + SEE_WAIT_S
@@ -47,15 +47,6 @@ def _seen(read, want: str) -> str | None:
         if got == want or time.monotonic() > deadline:
             return got
         time.sleep(0.25)
-
-
-def _holder(lock_text: str) -> str:
-    """Who a lock file's text names (checkpoint/lock.py writes pid, host and start time)."""
-    try:
-        info = plain_data.loads(lock_text.encode("utf-8"))
-        return f"pid {info['pid']} on host {info['host']}"
-    except (ValueError, KeyError, TypeError):
-        return lock_text.strip()[:80]
 
 
 def _where(d: Dist) -> str:
@@ -85,9 +76,10 @@ def check_every_rank_sees_the_run_folder(run_dir: Path, d: Dist, timeout_s: floa
             return
         got = _seen(read, token)
         if got != token:
-            what = "missing" if got is None else f"another ({_holder(got)})"
-            raise ConfigError(f"{_where(d)} does not see the run folder rank 0 holds ({_holder(token)}): its lock "
-                              f"file {lock.absolute()} is {what} here; {SHARED}")
+            what = "missing" if got is None else f"another ({describe_holder(got.encode('utf-8'))})"
+            holder = describe_holder(token.encode("utf-8"))
+            raise ConfigError(f"{_where(d)} does not see the run folder rank 0 holds ({holder}): its lock file "
+                              f"{lock.absolute()} is {what} here; {SHARED}")
 
     on_every_rank(d, f"checking that it sees the run folder {os.fspath(run_dir)}", check, timeout_s)
 

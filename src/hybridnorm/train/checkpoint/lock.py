@@ -44,13 +44,20 @@ def check_out_dir(run_dir: Path) -> None:
         raise ConfigError(f"out_dir {run_dir} cannot be created: {e.strerror or e}") from None
 
 
-def _holder(fd: int) -> str:
-    """Who holds the lock, from what it wrote into the file (it may not have written yet)."""
+def describe_holder(text: bytes) -> str:
+    """Who holds a lock, from what it wrote into the lock file (it may not have written yet)."""
     try:
-        info = plain_data.loads(os.pread(fd, 4096, 0))
+        info = plain_data.loads(text)
         return f"pid {info['pid']} on host {info['host']}, running since {info['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return "a process that is just starting (no pid recorded yet)"
+
+
+def _holder(fd: int) -> str:
+    try:
+        return describe_holder(os.pread(fd, 4096, 0))
+    except OSError:
+        return describe_holder(b"")
 
 
 class RunLock:
