@@ -20,7 +20,9 @@ from hybridnorm.train.checkpoint import check_checkpoint, latest_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
 
-TINY = ("train", "--size", "tiny", "--parallel=fsdp", "--log_interval=5")
+# 4 sequences a rank: what a fault does to the job does not depend on the batch, and a step of 16 took most of
+# this file's minutes (the README's defaults are tests/train/test_torchrun_defaults.py's)
+TINY = ("train", "--size", "tiny", "--parallel=fsdp", "--log_interval=5", "--batch_size=4")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,9 @@ from hybridnorm.train.distributed import Dist
 
 T = TypeVar("T")
 
-POLL_S = 0.25  # how often a waiting rank reads the store: two small reads, whatever the world size
+# a waiting rank reads the store (two small reads, whatever the world size) at once, then less and less
+# often, up to every POLL_MAX_S: a wait of an hour costs a thousand ranks' store 1000 reads a second
+POLL_MAX_S = 2.0
 _calls = itertools.count()  # every rank makes the same calls in the same order: keys match across ranks
 
 
@@ -82,7 +84,7 @@ def on_every_rank(d: Dist, what: str, work: Callable[[], T], timeout_s: float) -
 
 
 def _wait_for_all(store: dist.Store, key: str, d: Dist, what: str, timeout_s: float) -> None:
-    beats, moved = -1, time.monotonic()
+    beats, moved, pause = -1, time.monotonic(), 0.05
     while store.add(f"{key}/done", 0) < d.world_size:
         now_beats = store.add(f"{key}/beats", 0)
         if now_beats != beats:
@@ -95,7 +97,8 @@ def _wait_for_all(store: dist.Store, key: str, d: Dist, what: str, timeout_s: fl
             raise CollectiveError(f"rank {d.rank} of {d.world_size}: waited {timeout_s:g} s (dist_timeout) for "
                                   f"rank {named} {what}, which showed no sign of life in that time (frozen or "
                                   f"hung)")
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(POLL_MAX_S, pause * 1.5)
 
 
 def from_rank_0(d: Dist, text: str | None) -> str:
