@@ -41,15 +41,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_machines(args: list[str], cwds: list[Path], cache: Path, timeout: float = 180) -> list[str]:
+def _two_machines(args: list[str], cwds: list[Path], caches: list[Path], timeout: float = 180) -> list[str]:
     """Two torchrun agents, one process each, meeting at a c10d rendezvous on localhost as two machines'
-    agents meet; each runs in its own working directory. Returns each agent's output (both must end)."""
+    agents meet; each runs in its own working directory with its own data cache (or a shared one). Returns
+    each agent's output (both must end)."""
     port, run_id = _free_port(), f"job{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id,
            "-m", "hybridnorm.cli", *args]
     procs = [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env(cache)) for cwd in cwds]
+                              env=env(cache)) for cwd, cache in zip(cwds, caches, strict=True)]
     deadline, outs = time.monotonic() + timeout, []
     try:
         for proc in procs:
@@ -77,7 +78,7 @@ def test_two_machines_whose_out_is_not_one_folder_stop_before_training_naming_th
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     t0 = time.monotonic()
-    outs = _two_machines([*TINY, "--parallel=fsdp", "--out", "R"], [a, b], kjv_cache)
+    outs = _two_machines([*TINY, "--parallel=fsdp", "--out", "R"], [a, b], [kjv_cache, kjv_cache])
     assert time.monotonic() - t0 < 120
     for out in outs:
         assert out.startswith("[rc 1]"), out[-3000:]
@@ -93,7 +94,8 @@ def test_two_machines_whose_out_is_not_one_folder_stop_before_training_naming_th
 
 
 def test_two_machines_sharing_the_run_folder_stop_and_resume_as_one_machine_trains(kjv_cache, tmp_path):
-    """One shared ``--out`` (an absolute path, as on a network file system): FSDP over two machines stops at
+    """One shared ``--out`` (an absolute path, as on a network file system) and a data cache of each machine's
+    own (the second one starts empty: its rank prepares the data itself): FSDP over two machines stops at
     step 3 and resumes to 6 with each rank's shards, and logs the losses of two processes on one machine
     training 6 steps straight (the same ranks and sums; the thread counts may differ, so not bit for bit)."""
     a, b = tmp_path / "a", tmp_path / "b"
@@ -102,7 +104,7 @@ def test_two_machines_sharing_the_run_folder_stop_and_resume_as_one_machine_trai
     common = [*TINY, "--parallel=fsdp", "--max-steps", "6", "--ckpt_interval=3", "--log_interval=1",
               "--eval_interval=1000"]
     for extra in (["--stop_after_steps=3"], ["--resume"]):
-        outs = _two_machines([*common, *extra, "--out", str(out)], [a, b], kjv_cache)
+        outs = _two_machines([*common, *extra, "--out", str(out)], [a, b], [kjv_cache, tmp_path / "cache_b"])
         assert all(o.startswith("[rc 0]") for o in outs), "\n".join(o[-2000:] for o in outs)
     assert any(f"resumed from {out / 'checkpoints' / 'step_000003'}" in o for o in outs)
     shards = sorted(p.name for p in (out / "checkpoints" / "step_000006").glob("model-r*.safetensors"))
@@ -112,6 +114,23 @@ def test_two_machines_sharing_the_run_folder_stop_and_resume_as_one_machine_trai
     got, want = ([(m["step"], m["loss"]) for m in read_metrics(r)] for r in (out, ref))
     assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4, 5, 6]
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], rel=1e-5, abs=0)
+
+
+def test_machines_whose_copies_of_the_corpus_differ_stop_before_training(kjv_cache, tmp_path):
+    """``--data.source=corpus.txt`` read on each machine from its own disk, the copies not the same (and no
+    shared data cache): the ranks would train on other tokens; the job stops, naming both."""
+    for name, lines in (("a", 300), ("b", 310)):
+        (tmp_path / name).mkdir()
+        text = "\n\n".join(f"and the lord spake unto moses, saying {i}" for i in range(lines))
+        (tmp_path / name / "corpus.txt").write_text(text, encoding="utf-8")
+    args = [*TINY, "--data.source=corpus.txt", "--data.tokenizer=bytes", "--out", str(tmp_path / "R")]
+    outs = _two_machines(args, [tmp_path / "a", tmp_path / "b"], [tmp_path / "cache_a", tmp_path / "cache_b"])
+    errors = [e for out in outs for e in _errors(out)]
+    assert all(out.startswith("[rc 1]") and "\nstep " not in out for out in outs), "\n".join(outs)
+    assert len(errors) == 2 and all("prepared other data than rank 0" in e for e in errors), errors
+    assert any(e.startswith("error: rank 0 of 2: comparing its data with rank 0's failed on rank 1") for e in errors)
+    for out in outs:
+        _no_traceback_of_ours(out)
 
 
 SLOW_PREPARE = """

@@ -122,8 +122,26 @@ def resume_point(run_dir: Path, resume: bool, d: Dist, timeout_s: float) -> Resu
 
 def prepare_data_on_ranks(cfg: TrainConfig, d: Dist) -> PreparedData:
     """Rank 0 prepares the data into its cache while the others wait; then every other rank maps it (or
-    prepares it, where its cache is not rank 0's), while rank 0 waits."""
+    prepares it, where its cache is not rank 0's), while rank 0 waits. Every rank must then hold rank 0's
+    tokens: the same tokenizer and token counts (a rank that prepared its own from another copy of the
+    corpus, or with another tokenizers release, would train on other token ids)."""
     first = on_every_rank(d, "preparing the data", lambda: cfg.data.prepare() if d.is_main else None,
                           cfg.dist_timeout)
-    return on_every_rank(d, "preparing the data", lambda: first if first is not None else cfg.data.prepare(),
+    data = on_every_rank(d, "preparing the data", lambda: first if first is not None else cfg.data.prepare(),
                          cfg.dist_timeout)
+    if not d.enabled:
+        return data
+    mine = (f"tokenizer {data.tokenizer.fingerprint[:12]}, {data.stats.train_tokens:,} train / "
+            f"{data.stats.val_tokens:,} val tokens")
+    rank_0 = from_rank_0(d, mine if d.is_main else None)
+
+    def check() -> None:
+        if mine != rank_0:
+            raise ConfigError(f"{_where(d)} prepared other data than rank 0: {mine} in {data.dir}, where rank 0 "
+                              f"has {rank_0} (another copy of data.source={cfg.data.source}, or another tokenizers "
+                              f"release, on its machine); every rank must train on the same tokens: put the data "
+                              f"cache ($HYBRIDNORM_CACHE) on storage every machine shares, or the same corpus and "
+                              f"software on each")
+
+    on_every_rank(d, "comparing its data with rank 0's", check, cfg.dist_timeout)
+    return data
