@@ -28,7 +28,7 @@ def read_prompt_file(path: str) -> list[Prompt]:
     """The prompts of ``path`` (``-``: standard input). A ``.jsonl`` file holds one JSON object per line with a
     string field ``prompt`` (so a prompt may hold newlines); any other file one prompt per line. Blank lines
     are skipped in both. Anything else is one ConfigError naming the file and line (the corpus readers')."""
-    from hybridnorm.data.corpus import jsonl_records, read_text
+    from hybridnorm.data.corpus import decode_text, jsonl_records, read_text
 
     what, name = "--prompt-file", "standard input" if path == "-" else path
     if path != "-" and Path(path).is_dir():
@@ -37,21 +37,12 @@ def read_prompt_file(path: str) -> list[Prompt]:
         prompts = [Prompt(_prompt_field(rec, f"{path}:{n}"), f"{path}:{n}")
                    for n, rec in jsonl_records(Path(path), what)]
     else:
-        text = _stdin_text() if path == "-" else read_text(Path(path), what)
+        text = decode_text(sys.stdin.buffer.read(), name, what) if path == "-" else read_text(Path(path), what)
         # "\n" alone ends a line, as for the corpus (str.splitlines would also split at U+2028, U+0085, ...)
         prompts = [Prompt(line, f"{name}:{n}") for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not prompts:
         raise ConfigError(f"{what} {name} holds no prompts (every line is blank)")
     return prompts
-
-
-def _stdin_text() -> str:
-    data = sys.stdin.buffer.read()
-    try:
-        return data.decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n")  # as the corpus reader
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--prompt-file standard input is not UTF-8 text (byte {e.start}: "
-                          f"{data[e.start:e.start + 4]!r}); re-encode it, e.g. with iconv -t UTF-8") from None
 
 
 def _prompt_field(record: dict, where: str) -> str:

@@ -203,10 +203,15 @@ def read_text(path: Path, what: str = "data file") -> str:
         raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+    return decode_text(raw, str(path), what)
+
+
+def decode_text(raw: bytes, name: str, what: str = "data file") -> str:
+    """:func:`read_text` of bytes read elsewhere (standard input): ``name`` says where from in errors."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: "
+        raise ConfigError(f"{what} {name} is not UTF-8 text (byte {e.start}: "
                           f"{raw[e.start:e.start + 4]!r}); re-encode it, e.g. with iconv -t UTF-8") from None
     return text.removeprefix("\ufeff").replace("\r\n", "\n")
 

@@ -110,3 +110,12 @@ def from_rank_0(d: Dist, text: str | None) -> str:
     if d.is_main:
         store.set(key, text or "")
     return store.get(key).decode("utf-8")
+
+
+def checked_against_rank_0(d: Dist, what: str, text: str | None, check: Callable[[str], None],
+                           timeout_s: float) -> str:
+    """Rank 0's ``text`` (others pass None), which every other rank then checks with ``check(text)`` (raising
+    on a mismatch); a failed check is an error on every rank (:func:`on_every_rank`). Returns rank 0's text."""
+    rank_0 = from_rank_0(d, text)
+    on_every_rank(d, what, lambda: None if d.is_main else check(rank_0), timeout_s)
+    return rank_0

@@ -31,7 +31,7 @@ from hybridnorm.train.checkpoint.lock import LOCK_NAME, describe_holder
 from hybridnorm.train.checkpoint.retention import problem_of
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import Dist
-from hybridnorm.train.rank_wait import from_rank_0, on_every_rank
+from hybridnorm.train.rank_wait import checked_against_rank_0, on_every_rank
 
 # how long a rank waits for rank 0's files to appear to it: a network file system's client may serve a
 # folder's cached listing for a few seconds after another machine changed it
@@ -63,7 +63,6 @@ def check_every_rank_sees_the_run_folder(run_dir: Path, d: Dist, timeout_s: floa
     if not d.enabled:
         return
     lock = run_dir / LOCK_NAME
-    token = from_rank_0(d, lock.read_text(encoding="utf-8") if d.is_main else None)
 
     def read() -> str | None:
         try:
@@ -71,9 +70,7 @@ def check_every_rank_sees_the_run_folder(run_dir: Path, d: Dist, timeout_s: floa
         except (OSError, UnicodeDecodeError):
             return None
 
-    def check() -> None:
-        if d.is_main:
-            return
+    def check(token: str) -> None:
         got = _seen(read, token)
         if got != token:
             what = "missing" if got is None else f"another ({describe_holder(got.encode('utf-8'))})"
@@ -81,7 +78,8 @@ def check_every_rank_sees_the_run_folder(run_dir: Path, d: Dist, timeout_s: floa
             raise ConfigError(f"{_where(d)} does not see the run folder rank 0 holds ({holder}): its lock file "
                               f"{lock.absolute()} is {what} here; {SHARED}")
 
-    on_every_rank(d, f"checking that it sees the run folder {os.fspath(run_dir)}", check, timeout_s)
+    checked_against_rank_0(d, f"checking that it sees the run folder {os.fspath(run_dir)}",
+                           lock.read_text(encoding="utf-8") if d.is_main else None, check, timeout_s)
 
 
 def resume_point(run_dir: Path, resume: bool, d: Dist, timeout_s: float) -> ResumePoint:
@@ -105,19 +103,19 @@ def resume_point(run_dir: Path, resume: bool, d: Dist, timeout_s: float) -> Resu
     found = on_every_rank(d, "checking the run's checkpoints", decide, timeout_s)
     if not d.enabled:
         return found  # type: ignore[return-value]
-    name = from_rank_0(d, found.path.name if found is not None and found.path is not None else "")
-    ckpt = root / name if name else None
 
-    def check() -> None:  # every rank calls it (the store's keys count the calls); rank 0 has checked
-        if d.is_main or ckpt is None:
+    def check(name: str) -> None:
+        if not name:
             return
-        problem = _seen(lambda: problem_of(ckpt), None)
+        problem = _seen(lambda: problem_of(root / name), None)
         if problem is not None:
-            raise ConfigError(f"{_where(d)} cannot resume from {ckpt}, the checkpoint rank 0 resumes from: "
-                              f"{problem}; {SHARED}")
+            raise ConfigError(f"{_where(d)} cannot resume from {root / name}, the checkpoint rank 0 resumes "
+                              f"from: {problem}; {SHARED}")
 
-    on_every_rank(d, f"finding the checkpoint {name}", check, timeout_s)
-    return found if d.is_main else ResumePoint(ckpt)  # type: ignore[return-value]
+    name = checked_against_rank_0(d, "finding the checkpoint rank 0 resumes from",
+                                  found.path.name if found is not None and found.path is not None else "", check,
+                                  timeout_s)
+    return found if d.is_main else ResumePoint(root / name if name else None)  # type: ignore[return-value]
 
 
 def prepare_data_on_ranks(cfg: TrainConfig, d: Dist) -> PreparedData:
@@ -133,9 +131,8 @@ def prepare_data_on_ranks(cfg: TrainConfig, d: Dist) -> PreparedData:
         return data
     mine = (f"tokenizer {data.tokenizer.fingerprint[:12]}, {data.stats.train_tokens:,} train / "
             f"{data.stats.val_tokens:,} val tokens")
-    rank_0 = from_rank_0(d, mine if d.is_main else None)
 
-    def check() -> None:
+    def check(rank_0: str) -> None:
         if mine != rank_0:
             raise ConfigError(f"{_where(d)} prepared other data than rank 0: {mine} in {data.dir}, where rank 0 "
                               f"has {rank_0} (another copy of data.source={cfg.data.source}, or another tokenizers "
@@ -143,5 +140,5 @@ def prepare_data_on_ranks(cfg: TrainConfig, d: Dist) -> PreparedData:
                               f"cache ($HYBRIDNORM_CACHE) on storage every machine shares, or the same corpus and "
                               f"software on each")
 
-    on_every_rank(d, "comparing its data with rank 0's", check, cfg.dist_timeout)
+    checked_against_rank_0(d, "comparing its data with rank 0's", mine, check, cfg.dist_timeout)
     return data
