@@ -1,5 +1,5 @@
-"""MFU's denominator: the matmul peak is measured once per machine and cached, so runs on one machine share
-it, and the run's meta record carries the peak its MFU used."""
+"""MFU's denominator: the matmul peak is measured per machine by its first few runs and cached (the largest
+sample), so later runs on one machine share it, and the run's meta record carries the peak its MFU used."""
 
 from __future__ import annotations
 
@@ -14,29 +14,76 @@ from hybridnorm.train.run import open_run
 from hybridnorm.train.trainer import train
 
 
-def test_a_cached_peak_is_used_as_is(tmp_path, monkeypatch):
+def fresh_process() -> None:
+    """What a new process sees: nothing measured in memory yet (the lru_cache), only the file."""
+    flops.measured_peak_flops.cache_clear()
+
+
+@pytest.fixture
+def fake_matmul(tmp_path, monkeypatch):
+    """The peak cache in tmp_path, and matmul_flops answering from a list (the values later runs would
+    measure), recording each call; nothing is timed."""
+    monkeypatch.setenv("HYBRIDNORM_PEAK_CACHE", str(tmp_path / "sub" / "peak.json"))
+    answers, calls = [], []
+
+    def measure(device, dtype, n):
+        calls.append((device, dtype, n))
+        return answers.pop(0)
+
+    monkeypatch.setattr(flops, "matmul_flops", measure)
+    fresh_process()
+    yield tmp_path / "sub" / "peak.json", answers, calls
+    fresh_process()
+
+
+def test_the_first_runs_each_add_a_sample_and_the_peak_is_the_largest(fake_matmul):
+    """A first sample taken while the machine was busy (4e9) is raised by the next runs' (9e9), and after
+    PEAK_SAMPLES runs nothing is measured again: every later run shares one peak."""
+    cache, answers, calls = fake_matmul
+    answers += [4e9, 9e9, 7e9, 1e12]
+    seen = []
+    for _ in range(flops.PEAK_SAMPLES + 2):
+        fresh_process()
+        seen.append(flops.measured_peak_flops("cpu", torch.float32))
+    assert flops.PEAK_SAMPLES == 3 and seen == [4e9, 9e9, 9e9, 9e9, 9e9]
+    assert len(calls) == 3 and answers == [1e12]
+    assert json.loads(cache.read_text()) == {flops.machine_key("cpu", torch.float32): [4e9, 9e9, 7e9]}
+    fresh_process()
+    flops.measured_peak_flops("cpu", torch.bfloat16)  # another dtype is another machine key: measured afresh
+    assert len(calls) == 4 and json.loads(cache.read_text())[flops.machine_key("cpu", torch.bfloat16)] == [1e12]
+
+
+def test_a_full_cache_is_used_as_is(fake_matmul):
+    cache, _, calls = fake_matmul
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({flops.machine_key("cpu", torch.float32): [1.25e9, 2.5e9, 2e9]}))
+    assert flops.measured_peak_flops("cpu", torch.float32) == 2.5e9 and calls == []
+
+
+@pytest.mark.parametrize("stored, kept", [
+    (5e9, [5e9]),  # an earlier release's one number: one sample
+    ([5e9, "x", -1.0, True, None, [3e9]], [5e9]),  # what is not a positive number counts as nothing
+    ("fast", []), ({"a": 1}, []), (0, []),
+])
+def test_stored_values_count_as_samples_only_when_they_are_positive_numbers(fake_matmul, stored, kept):
+    cache, answers, calls = fake_matmul
+    cache.parent.mkdir(parents=True)
+    key = flops.machine_key("cpu", torch.float32)
+    cache.write_text(json.dumps({key: stored, "other": 1.0}))
+    answers.append(3e9)
+    assert flops.measured_peak_flops("cpu", torch.float32) == max([*kept, 3e9]) and len(calls) == 1
+    assert json.loads(cache.read_text()) == {key: [*kept, 3e9], "other": 1.0}  # other keys kept as they were
+
+
+def test_a_real_measurement_is_stored(tmp_path, monkeypatch):
     cache = tmp_path / "peak.json"
     monkeypatch.setenv("HYBRIDNORM_PEAK_CACHE", str(cache))
-    cache.write_text(json.dumps({flops.machine_key("cpu", torch.float32): 1.25e9}))
-    flops.measured_peak_flops.cache_clear()
-    try:
-        assert flops.measured_peak_flops("cpu", torch.float32) == 1.25e9  # no measurement: the cached value
-    finally:
-        flops.measured_peak_flops.cache_clear()
-
-
-def test_the_first_measurement_is_stored_and_reused(tmp_path, monkeypatch):
-    cache = tmp_path / "sub" / "peak.json"
-    monkeypatch.setenv("HYBRIDNORM_PEAK_CACHE", str(cache))
-    flops.measured_peak_flops.cache_clear()
+    fresh_process()
     try:
         first = flops.measured_peak_flops("cpu", torch.float32)
-        stored = json.loads(cache.read_text())
-        assert stored == {flops.machine_key("cpu", torch.float32): first} and first > 0
-        flops.measured_peak_flops.cache_clear()  # a new process: reads the file, does not re-measure
-        assert flops.measured_peak_flops("cpu", torch.float32) == first
+        assert first > 0 and json.loads(cache.read_text()) == {flops.machine_key("cpu", torch.float32): [first]}
     finally:
-        flops.measured_peak_flops.cache_clear()
+        fresh_process()
 
 
 def test_meta_records_the_peak_and_mfu_uses_it(make_cfg, tmp_path):

@@ -218,13 +218,13 @@ def test_mfu_of_a_torchrun_job_is_against_every_process_peak(kjv_cache, tmp_path
     own thread count): a CPU job once divided by one process's peak and read twice its MFU. The per-machine
     peak cache is filled here with known values (a peak per thread count), so nothing is timed."""
     from hybridnorm.loading import load_run
-    from hybridnorm.train.flops import flops_per_token, machine_key
+    from hybridnorm.train.flops import PEAK_SAMPLES, flops_per_token, machine_key
 
     threads, peaks = torch.get_num_threads(), {}
     try:
         for t in range(1, (os.cpu_count() or 1) + 1):
             torch.set_num_threads(t)
-            peaks[machine_key("cpu", torch.float32)] = 1e10 * t
+            peaks[machine_key("cpu", torch.float32)] = [1e10 * t] * PEAK_SAMPLES  # full: nothing measured
     finally:
         torch.set_num_threads(threads)
     cache = tmp_path / "peaks.json"

@@ -13,10 +13,13 @@ the peak is the datasheet's dense bf16 number, as MFU is reported in the field (
 torchtitan): a timed matmul reaches well under it on a GPU (a 2048³ bf16 matmul on an H200 made a
 trainer run read 80 % "MFU" that is 35 % of the datasheet). Elsewhere (CPUs, fp32, unknown GPUs) the peak is
 measured here with a large matmul in the run's precision, not a datasheet number. So that two runs' MFU
-compare (one peak measured per run varied by 2× on a loaded machine), the peak is measured once per machine,
+compare (one peak measured per run varied by 2× on a loaded machine), the peak is measured per machine,
 device, dtype and thread count, as the median of several best-of rounds, and cached in a small JSON file
-(``$HYBRIDNORM_PEAK_CACHE``, default ``~/.cache/hybridnorm/matmul_peak.json``); the trainer records the
-peak it used in the run's ``meta``.
+(``$HYBRIDNORM_PEAK_CACHE``, default ``~/.cache/hybridnorm/matmul_peak.json``). The first
+:data:`PEAK_SAMPLES` runs on a machine each add one measurement and the peak is the largest kept; later runs
+measure nothing and share it. One sample taken while the machine was busy would otherwise stay the
+machine's peak for good (found: 117 GFLOP/s cached on a Xeon that multiplies at 160-320, so every later run
+logged about twice its MFU). The trainer records the peak it used in the run's ``meta``.
 """
 
 from __future__ import annotations
@@ -143,23 +146,36 @@ def machine_key(device: str, dtype: torch.dtype, n: int = 2048) -> str:
     return f"{name}|{dtype}|threads={torch.get_num_threads()}|torch={torch.__version__}|n={n}"
 
 
+PEAK_SAMPLES = 3  # measurements kept per machine key; the peak is their maximum
+
+
+def cached_samples(cache: object, key: str) -> list[float]:
+    """The measurements ``cache`` (the parsed file) holds for ``key``: a list of positive numbers, or one
+    number as earlier releases stored it; anything else counts as none."""
+    value = cache.get(key) if isinstance(cache, dict) else None
+    values = value if isinstance(value, list) else [value]
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+
+
 @functools.lru_cache(maxsize=8)
 def measured_peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
-    """The machine's n×n matmul peak for ``device``/``dtype``: read from the per-machine cache, else measured
-    once (:func:`matmul_flops`) and stored there. A cache that cannot be read or written is measured past."""
+    """The machine's n×n matmul peak for ``device``/``dtype``: the largest of the measurements in the
+    per-machine cache; while it holds fewer than :data:`PEAK_SAMPLES`, this process measures once more
+    (:func:`matmul_flops`) and adds its sample. A cache that cannot be read or written is measured past."""
     path, key = peak_cache_path(), machine_key(device, dtype, n)
     try:
         cache = plain_data.loads(path.read_bytes()) if path.is_file() else {}
     except (OSError, ValueError):  # the one JSON reader: bad bytes or nesting are ValueErrors
         cache = {}
-    if isinstance(cache, dict) and isinstance(cache.get(key), (int, float)) and cache[key] > 0:
-        return float(cache[key])
-    peak = matmul_flops(device, dtype, n)
+    samples = cached_samples(cache, key)
+    if len(samples) >= PEAK_SAMPLES:
+        return max(samples)
+    samples.append(matmul_flops(device, dtype, n))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**(cache if isinstance(cache, dict) else {}), key: peak}, indent=1))
+        tmp.write_text(json.dumps({**(cache if isinstance(cache, dict) else {}), key: samples}, indent=1))
         tmp.replace(path)  # atomic: parallel runs never read half a file
     except OSError:
         pass
-    return peak
+    return max(samples)
