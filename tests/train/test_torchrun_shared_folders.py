@@ -145,7 +145,8 @@ def prepare(self):  # rank 0's preparation: slow (a big corpus), frozen mid-way,
     if os.environ["RANK"] == "0":
         with open(pidfile, "w") as f:
             f.write(str(os.getpid()))
-        if mode == "fail":
+        if mode in ("fail", "slow_fail"):
+            time.sleep(8 if mode == "slow_fail" else 0)  # slow: the waiting rank polls seconds apart by then
             raise ConfigError("data.source=corpus.txt: line 7 is not UTF-8 (a fault this test sets)")
         time.sleep(12 if mode == "slow" else 600)
     return original(self)
@@ -202,8 +203,11 @@ def test_a_rank_frozen_while_preparing_the_data_ends_the_job_at_the_timeout_nami
         in errors[0], log.read_text()[-3000:]
 
 
-def test_a_failure_preparing_the_data_on_rank_0_is_one_error_on_every_rank(kjv_cache, tmp_path):
-    cmd, _ = _slow_prepare(tmp_path, "fail", *TINY, "--max-steps", "2", "--out", str(tmp_path / "R"))
+@pytest.mark.parametrize("mode", ["fail", "slow_fail"])
+def test_a_failure_preparing_the_data_on_rank_0_is_one_error_on_every_rank(kjv_cache, tmp_path, mode):
+    """Also after a slow start (slow_fail), when the waiting rank sleeps seconds between its reads: rank 0
+    once left at once, torchrun stopped rank 1 in its sleep, and rank 1 printed no error."""
+    cmd, _ = _slow_prepare(tmp_path, mode, *TINY, "--max-steps", "2", "--out", str(tmp_path / "R"))
     done = run_bounded(cmd, 300, env=env(kjv_cache))
     assert done.returncode != 0
     errors = _errors(done.stderr)

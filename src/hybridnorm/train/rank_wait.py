@@ -31,6 +31,7 @@ T = TypeVar("T")
 # a waiting rank reads the store (two small reads, whatever the world size) at once, then less and less
 # often, up to every POLL_MAX_S: a wait of an hour costs a thousand ranks' store 1000 reads a second
 POLL_MAX_S = 2.0
+READ_WAIT_S = 30.0  # a failing wait's ranks wait this long at most for each other to read the failure
 _calls = itertools.count()  # every rank makes the same calls in the same order: keys match across ranks
 
 
@@ -75,12 +76,27 @@ def on_every_rank(d: Dist, what: str, work: Callable[[], T], timeout_s: float) -
     store.add(f"{key}/done", 1)
     _wait_for_all(store, key, d, what, timeout_s)
     if store.add(f"{key}/failed", 0) > 0:
-        if failed is not None:
-            raise failed
-        first = next(r for r in range(d.world_size) if store.check([f"{key}/error/{r}"]))
-        message = store.get(f"{key}/error/{first}").decode("utf-8", "replace")
-        raise ConfigError(f"rank {d.rank} of {d.world_size}: {what} failed on rank {first}: {message}")
+        if failed is None:
+            first = next(r for r in range(d.world_size) if store.check([f"{key}/error/{r}"]))
+            message = store.get(f"{key}/error/{first}").decode("utf-8", "replace")
+            failed = ConfigError(f"rank {d.rank} of {d.world_size}: {what} failed on rank {first}: {message}")
+        _until_every_rank_has_read(store, key, d)
+        raise failed
     return result  # type: ignore[return-value]
+
+
+def _until_every_rank_has_read(store: dist.Store, key: str, d: Dist) -> None:
+    """Before leaving with a failure: wait (at most :data:`READ_WAIT_S`) until every rank holds it. A rank
+    that leaves first ends its process, so torchrun stops the other ranks, and the machine hosting torchrun's
+    store takes the store down with it: a rank still asleep in its wait was killed before it printed its error
+    (found: on two machines the second one's output held no error at all, only torchrun's lost store)."""
+    try:
+        store.add(f"{key}/read", 1)
+        deadline = time.monotonic() + READ_WAIT_S
+        while store.add(f"{key}/read", 0) < d.world_size and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # the store is gone already: this rank says what it knows at once
+        return
 
 
 def _wait_for_all(store: dist.Store, key: str, d: Dist, what: str, timeout_s: float) -> None:
