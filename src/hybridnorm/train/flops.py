@@ -149,10 +149,10 @@ def machine_key(device: str, dtype: torch.dtype, n: int = 2048) -> str:
 PEAK_SAMPLES = 3  # measurements kept per machine key; the peak is their maximum
 
 
-def cached_samples(cache: object, key: str) -> list[float]:
+def cached_samples(cache: dict, key: str) -> list[float]:
     """The measurements ``cache`` (the parsed file) holds for ``key``: a list of positive numbers, or one
     number as earlier releases stored it; anything else counts as none."""
-    value = cache.get(key) if isinstance(cache, dict) else None
+    value = cache.get(key)
     values = value if isinstance(value, list) else [value]
     return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
 
@@ -167,6 +167,8 @@ def measured_peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32,
         cache = plain_data.loads(path.read_bytes()) if path.is_file() else {}
     except (OSError, ValueError):  # the one JSON reader: bad bytes or nesting are ValueErrors
         cache = {}
+    if not isinstance(cache, dict):  # a file of another shape is rewritten as a fresh cache
+        cache = {}
     samples = cached_samples(cache, key)
     if len(samples) >= PEAK_SAMPLES:
         return max(samples)
@@ -174,7 +176,7 @@ def measured_peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32,
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**(cache if isinstance(cache, dict) else {}), key: samples}, indent=1))
+        tmp.write_text(json.dumps({**cache, key: samples}, indent=1))
         tmp.replace(path)  # atomic: parallel runs never read half a file
     except OSError:
         pass
