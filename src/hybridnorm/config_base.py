@@ -80,6 +80,8 @@ def describe(tp: Any) -> str:
         return " or ".join(describe(a) for a in args)
     if origin is tuple:
         return f"a list of {len(args)}" if args[-1] is not Ellipsis else "a list"
+    if origin is list:
+        return f"a list of ({describe(args[0])})" if args else "a list"
     if tp is type(None):
         return "null"
     if dataclasses.is_dataclass(tp):
@@ -109,6 +111,10 @@ def coerce(where: str, value: Any, tp: Any) -> Any:
         if value in args and type(value) in {type(a) for a in args}:  # True is not 1
             return value
         raise ConfigError(f"{where}={show(value)} is not {describe(tp)}")
+    if origin is list:  # a list of one kind (transformers' config fields: eos_token_id, architectures)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}={show(value)} must be {describe(tp)}")
+        return [coerce(f"{where}[{i}]", v, args[0]) for i, v in enumerate(value)] if args else list(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}={show(value)} must be {describe(tp)}")

@@ -11,13 +11,18 @@ never disagree in a saved ``config.json``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import re
 from typing import Any, ClassVar
 
+import torch
 from transformers import PretrainedConfig
 
 from hybridnorm import placements
 from hybridnorm.config import ModelConfig
+from hybridnorm.config_base import coerce
 from hybridnorm.errors import ConfigError
 from hybridnorm.hf.rope_parameters import from_rope_parameters, to_rope_parameters
 
@@ -104,6 +109,13 @@ class HybridNormConfig(PretrainedConfig):
         self._sync()
         super().__post_init__(**kwargs)
         _check_fixed(self)  # the keywords no field of ours names are attributes only from here on
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # every field holds what its type hint says, from construction (config.json, keywords) and assignment
+        # (from_pretrained(..., use_cache=...) sets its keywords so) on: "false" is no boolean and "0" no token
+        # id, which would otherwise load and act as true / fail deep inside generate (as LlamaConfig refuses them)
+        hint = _field_hints(type(self)).get(name)
+        super().__setattr__(name, value if hint is None else _checked(name, value, hint))
 
     @classmethod
     def register_for_auto_class(cls, auto_class: Any = "AutoConfig") -> None:
@@ -194,6 +206,29 @@ class HybridNormConfig(PretrainedConfig):
     @classmethod
     def from_model_config(cls, mc: ModelConfig, **kwargs: Any) -> HybridNormConfig:
         return cls(hybridnorm=mc.to_dict(), **kwargs)
+
+
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    """The type hint of each dataclass field of a config class, transformers' base fields included. Read class
+    by class: a release whose hints name something not importable here leaves that class's fields unchecked."""
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            hints.update(inspect.get_annotations(klass, eval_str=True, locals={"torch": torch}))
+        except Exception:  # a hint this release spells with names we cannot resolve
+            continue
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name in hints}
+
+
+def _checked(name: str, value: Any, hint: Any) -> Any:
+    """``value`` as the field's hint says (hybridnorm's one config check: a lossless conversion such as 2.0 -> 2,
+    else a ConfigError naming the field); a hint that check does not read (``torch.dtype``) is transformers'."""
+    ours = _STANDARD_FIELDS.get(name, "tie_embeddings" if name == "tie_word_embeddings" else None)
+    try:  # a standard field named as the ModelConfig names it too, as model_config()'s errors do
+        return coerce(name if ours is None else f"{name} (model.{ours})", value, hint)
+    except TypeError:
+        return value
 
 
 def _check_fixed(cfg: PretrainedConfig) -> None:

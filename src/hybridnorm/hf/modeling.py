@@ -126,8 +126,13 @@ class HybridNormPreTrainedModel(PreTrainedModel):
     @property
     def base_model(self) -> HybridNormBackbone:
         # transformers' contract: the decoder without its head, as a backbone (Llama's: its LlamaModel). TRL's
-        # trainers run it, then the head; the inherited property would give the bare TransformerLM
-        return HybridNormBackbone(self)
+        # trainers run it, then the head; the inherited property would give the bare TransformerLM. One view
+        # for as long as the model holds this TransformerLM, so that get_decoder() is get_decoder() and a hook
+        # on it fires (forward calls it); kept outside _modules, so nothing is held twice
+        view = self.__dict__.get("_backbone")
+        if view is None or view.decoder is not self.model:
+            view = self.__dict__["_backbone"] = HybridNormBackbone(self)
+        return view
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.model.embed
@@ -298,11 +303,27 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.model.lm_head if self.model.lm_head is not None else self.tied_head
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``generate``, less LayerSkip's self-speculative decoding (``assistant_early_exit``),
+        refused with its reason: transformers shortens a model by writing ``num_hidden_layers`` into its base
+        model's config, which for us is the TransformerLM's ModelConfig (not a transformers config). The other
+        assistants (``assistant_model``, ``prompt_lookup_num_tokens``) give the same tokens faster."""
+        config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.generation_config
+        if kwargs.get("assistant_early_exit", getattr(config, "assistant_early_exit", None)) is not None:
+            raise ValueError("assistant_early_exit (LayerSkip's self-speculative decoding) is not supported by "
+                             f"{type(self).__name__}: use assistant_model= (a smaller model with the same "
+                             "tokenizer) or prompt_lookup_num_tokens= for assisted decoding")
+        return super().generate(*args, **kwargs)
+
     def set_output_embeddings(self, value: torch.nn.Module) -> None:
         if isinstance(value, TiedHead) and value.owner is self:
             return  # handed back unchanged (resize_token_embeddings does, after resizing the embedding)
         self.model.lm_head = value  # a head of its own: no longer tied
         self._modules.pop("tied_head", None)
+        # and said so in both configs: a saved config.json that still said tied would rebuild the model without
+        # this head on loading, and the weight saved for it would be dropped as unexpected
+        self.config.tie_word_embeddings = False
+        self.model.config.tie_embeddings = False
 
     def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache: Any = None, inputs_embeds: Tensor | None = None,
@@ -312,9 +333,12 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
                 **kwargs: Any) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast | tuple:
         want_router = self._router_flag(output_router_logits)
         wants_loss = labels is not None or kwargs.get("shift_labels") is not None
-        out = self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
-                           use_cache, output_attentions, output_hidden_states,
-                           want_router or (wants_loss and self.model.is_moe), kwargs)
+        # through the decoder (get_decoder()), as Llama's forward calls its LlamaModel: hooks on it fire
+        out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                              output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                              return_dict=True, output_router_logits=want_router or (wants_loss and self.model.is_moe),
+                              **kwargs)
         x = out.last_hidden_state  # (B, T, d)
         if isinstance(logits_to_keep, int):
             x = x[:, -logits_to_keep:] if logits_to_keep > 0 else x
@@ -380,6 +404,16 @@ class HybridNormBackbone(torch.nn.Module):
 
     def get_decoder(self) -> HybridNormBackbone:
         return self
+
+    def set_decoder(self, decoder: torch.nn.Module) -> None:
+        """transformers' ``set_decoder``: the model's TransformerLM becomes ``decoder``'s (a backbone view,
+        a ``HybridNormModel``, or a TransformerLM), so ``set_decoder(get_decoder())`` changes nothing."""
+        lm = decoder.decoder if isinstance(decoder, HybridNormBackbone) else \
+            decoder.model if isinstance(decoder, HybridNormModel) else decoder
+        if not isinstance(lm, TransformerLM):
+            raise TypeError(f"set_decoder takes a HybridNormModel, another model's get_decoder() or a hybridnorm "
+                            f"TransformerLM, not {type(decoder).__name__}")
+        self.owner.model = lm
 
 
 def _return_dict(config: HybridNormConfig, return_dict: bool | None) -> bool:
