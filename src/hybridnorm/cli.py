@@ -115,11 +115,12 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
         if not sep or not key:
             raise ConfigError(f"--axis {spec!r} must look like KEY=v1,v2 (e.g. lr=1e-3,1e-2 or depth=12,24)")
         axes.append((key, _grid_values(values, f"--axis {key}")))
-    user_init = next((o.partition("=")[2] for o in extra if o.lstrip("-").startswith("model.init=")), None)
-    inits = _csv(args.init, "--init") if args.init else [user_init if user_init and user_init != "default"
-                                                          else "megatron"]
+    base = _config(args, extra)
+    # the user's init wherever it was given (--model.init, or the --config file's model.init); else megatron
+    user_init = base.model.init
+    inits = _csv(args.init, "--init") if args.init else [user_init if user_init != "default" else "megatron"]
     grid = Grid(_csv(args.placements, "--placements"), inits, axes, seeds, warmup_frac=args.warmup_frac)
-    summary = run_experiment(_config(args, extra), grid, args.out, jobs=args.jobs, baseline=args.baseline,
+    summary = run_experiment(base, grid, args.out, jobs=args.jobs, baseline=args.baseline,
                              command=command_line([a for a in (sys.argv[1:] if args.argv is None else args.argv)
                                                    if a != "--report-only"]),  # the command that trains it
                              title="Placement comparison" if args.command == "compare" else "Placement sweep",

@@ -1,0 +1,32 @@
+"""`hybridnorm compare`'s one init for all placements is the user's, wherever the user gave it: `--model.init`
+on the command line or `model.init` in the config file (before 2026-12-02 the file's was dropped for megatron,
+silently), else megatron; `--init` overrides both. Checked on the runs' own records, through the command."""
+
+import json
+from pathlib import Path
+
+import pytest
+from train_helpers import cli_in_process, read_metrics, tiny_overrides
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({"file": "normal"}, "normal"),
+    ({"flag": "depth_scaled"}, "depth_scaled"),
+    ({"file": "normal", "init_axis": "deepnorm"}, "deepnorm"),
+    ({}, "megatron"),
+])
+def test_the_grid_runs_the_users_init_from_the_file_or_the_flag(tmp_path: Path, corpus: Path, cache_dir: Path,
+                                                                 no_peak_measure: None, given: dict,
+                                                                 expected: str) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  init: {given['file']}\n" if "file" in given else "{}\n")
+    out = tmp_path / "cmp"
+    args = ["compare", str(config), "--placements", "pre", "--seeds", "0", "--max-steps", "2",
+            *tiny_overrides(corpus, cache_dir, tmp_path / "unused"), "--out", str(out)]
+    args = [a for a in args if not a.startswith("--out_dir=")]
+    args += [f"--model.init={given['flag']}"] if "flag" in given else []
+    args += ["--init", given["init_axis"]] if "init_axis" in given else []
+    cli_in_process(*args)
+    (run,) = (out / "runs").iterdir()
+    assert json.loads((run / "point.json").read_text())["point"]["init"] == expected
+    assert read_metrics(run, "meta")[0]["init"] == expected  # what the run itself drew its weights with
