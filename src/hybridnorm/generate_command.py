@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -72,19 +71,12 @@ def prompts_of(args: argparse.Namespace) -> list[Prompt]:
 
 def check_output(args: argparse.Namespace) -> None:
     """Refuse a bad ``--output`` before the minutes of loading and generating: a folder, an unwritable place,
-    the prompt file itself (it would be overwritten)."""
-    from hybridnorm.train.preflight import check_writable_dir
+    the prompt file itself or anything inside the checkpoint being read (it would be overwritten)."""
+    from hybridnorm.train.preflight import check_output_file
 
-    if args.output is None:
-        return
-    out = Path(args.output)
-    if out.is_dir():
-        raise ConfigError(f"--output {out} is a folder: name the JSON Lines file to write, e.g. "
-                          f"{out / 'completions.jsonl'}")
-    source = None if args.prompt_file in (None, "-") else Path(args.prompt_file)
-    if source is not None and out.exists() and source.exists() and os.path.samefile(out, source):
-        raise ConfigError(f"--output {out} is the --prompt-file: writing it would overwrite the prompts")
-    check_writable_dir(out.parent, f"--output {out}: its folder")
+    if args.output is not None:
+        check_output_file(args.output, "--output", example="completions.jsonl",
+                          inputs=[("the checkpoint", args.checkpoint), ("the --prompt-file", args.prompt_file)])
 
 
 def batches(items: list[Any], size: int) -> Iterator[list[Any]]:

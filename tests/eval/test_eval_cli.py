@@ -140,6 +140,13 @@ BAD = {
                            ["--output", "is a folder", "results.json"], False),
     "output under a file": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--output",
                                        str(t / "q.jsonl" / "r.json")], ["--output", "q.jsonl is a file"], False),
+    # what it reads is never written over (before 2026-12-02 each was: the questions, the run's files)
+    "output is the questions": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--output",
+                                           str(t / "q.jsonl")], ["--output", "is --mc", "what it reads"], False),
+    "output is the text": (lambda t: ["--text", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--output",
+                                      str(t / "q.jsonl")], ["--output", "is --text"], False),
+    "output inside the run": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--output",
+                                         "{run}/results.json"], ["--output", "inside the checkpoint"], False),
     "bad device": (lambda t: ["--mc", str(write_jsonl(t / "q.jsonl", QUESTIONS)), "--device", "gpu9"],
                    ["--device", "gpu9"], False),
     "include path missing": (lambda t: ["--tasks", "kjv_mc", "--include-path", str(t / "nowhere")],
@@ -154,10 +161,12 @@ def test_bad_input_is_one_error_line(case, run_dir, tmp_path, capsys):
     build, needles, needs_lm_eval = BAD[case]
     if needs_lm_eval:
         pytest.importorskip("lm_eval", reason="lm_eval is not installed: --tasks needs pip install 'hybridnorm[eval]'")
-    argv = build(tmp_path)
+    argv = [a.replace("{run}", str(run_dir)) for a in build(tmp_path)]
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     capsys.readouterr()
     assert cli.main(["eval", str(run_dir), *argv]) == 2
     _one_error_line(capsys.readouterr().err, needles)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == files  # the run is untouched
 
 
 def test_without_device_eval_runs_on_the_gpu_where_one_is_visible():

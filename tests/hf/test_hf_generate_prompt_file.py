@@ -176,7 +176,10 @@ def test_a_bad_prompt_file_is_one_error_naming_file_and_line(trained_run: Path, 
     (["--prompt-file", "{d}/prompts.txt", "--prompt", "Behold"], ["--prompt and --prompt-file"]),
     (["--prompt-file", "{d}/prompts.txt", "--batch-size=0"], ["--batch-size=0 must be >= 1"]),
     (["--prompt-file", "{d}/prompts.txt", "--output", "{d}"], ["--output", "is a folder"]),
-    (["--prompt-file", "{d}/prompts.txt", "--output", "{d}/prompts.txt"], ["overwrite the prompts"]),
+    (["--prompt-file", "{d}/prompts.txt", "--output", "{d}/prompts.txt"], ["is the --prompt-file", "what it reads"]),
+    # the run being read: its checkpoint's weights, or any file of it (before 2026-12-02: overwritten)
+    (["--output", "{run}/checkpoints/{step}/model.safetensors"], ["inside the checkpoint", "what it reads"]),
+    (["--output", "{run}/completions.jsonl"], ["--output", "inside the checkpoint"]),
     (["--prompt-file", "{d}/prompts.txt", "--output", "{d}/prompts.txt/c.jsonl"], ["--output"]),
     (["--prompt-file", "{d}/long.txt", "--output", "{d}/c.jsonl"], ["long.txt:3", "max_seq_len=128"]),
 ])
@@ -184,6 +187,10 @@ def test_bad_options_are_refused_before_anything_is_generated(trained_run: Path,
                                                               needles) -> None:
     prompt_file(tmp_path)
     (tmp_path / "long.txt").write_text("Behold\nFor the\n" + "a" * 200 + "\nUnto\n")
-    argv = [w.replace("{d}", str(tmp_path)) for w in argv]
+    step = sorted((trained_run / "checkpoints").glob("step_*"))[-1].name
+    argv = [w.replace("{d}", str(tmp_path)).replace("{run}", str(trained_run)).replace("{step}", step) for w in argv]
+    weights = (trained_run / "checkpoints" / step / "model.safetensors").read_bytes()
     assert_refused(["generate", str(trained_run), *argv], capsys, needles, tmp_path)
+    assert (trained_run / "checkpoints" / step / "model.safetensors").read_bytes() == weights
+    assert not (trained_run / "completions.jsonl").exists()
     assert not (tmp_path / "c.jsonl").exists()

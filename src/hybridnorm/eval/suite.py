@@ -103,13 +103,13 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
     all of them and returns them, the others return an empty dict. In a process group already joined (a
     script's), every rank must call it: the ranks' scores are gathered."""
     device = inference_device(req.device)  # before the minutes of loading, and for every kind of evaluation
-    if req.output:  # so is where the results go: an evaluation of hours is not lost to a typo in a path
-        from hybridnorm.train.preflight import check_writable_dir
+    if req.output:  # so is where the results go: an evaluation of hours is not lost to a typo in a path, nor
+        # written over what it reads (the checkpoint's weights, the questions, the text, the task folder)
+        from hybridnorm.train.preflight import check_output_file
 
-        if Path(req.output).is_dir():
-            raise ConfigError(f"--output {req.output} is a folder: name the JSON file to write, e.g. "
-                              f"{Path(req.output) / 'results.json'}")
-        check_writable_dir(Path(req.output).parent, f"--output {req.output}: its folder")
+        check_output_file(req.output, "--output", example="results.json", inputs=[
+            ("the checkpoint", req.checkpoint), ("--data", req.data), ("--mc", req.mc),
+            ("--text", None if req.text == "kjv" else req.text), ("--include-path", req.include_path)])
     if launched_world() > 1:
         from hybridnorm.eval.lm_eval_ranks import RANK_WAIT_S, launched_local_rank
         from hybridnorm.train.distributed import init_distributed, leave, resolve_device

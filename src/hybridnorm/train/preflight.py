@@ -297,3 +297,26 @@ def check_output_folder(path: str | Path, what: str, *, may_hold: tuple[str, ...
     held = "files of its own" if kind == "other" else f"a {kind}"
     raise ConfigError(f"{what} {path} is not empty: it holds {held} ({shown}) and needs to be {allowed}; "
                       "nothing there was changed, choose another folder")
+
+
+def check_output_file(path: str | Path, what: str, *, example: str,
+                      inputs: Iterable[tuple[str, str | Path | None]] = ()) -> Path:
+    """The one output-file rule: ConfigError naming ``path`` (as ``what``, e.g. "--output") unless it is no
+    folder (``example``: a file name to suggest), its folder is writable, and it is none of ``inputs``
+    ((label, path): a file the command reads, or a folder it reads from, such as the run or checkpoint) and
+    lies inside none of them: a command never overwrites what it reads (a checkpoint's weights, the
+    questions being scored). Creates nothing."""
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{what} {out} is a folder: name the file to write, e.g. {out / example}")
+    here = out.resolve()
+    for label, given in inputs:
+        if given is None or str(given) in ("", "-"):
+            continue
+        source = Path(given).resolve()
+        same = here == source or (out.exists() and source.exists() and os.path.samefile(out, source))
+        if same or (source.is_dir() and source in here.parents):
+            raise ConfigError(f"{what} {path} is {'' if same else 'inside '}{label} {given}: the command never "
+                              "writes over what it reads; name a file elsewhere")
+    check_writable_dir(out.parent, f"{what} {path}: its folder")
+    return out
