@@ -123,3 +123,41 @@ def test_in_a_real_process_raw_bytes_and_a_lying_file_are_one_line(run, tmp_path
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (argv, err)
         assert "Traceback" not in err
+
+
+def _wordlevel_without_unk(path: Path) -> Path:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({"<|endoftext|>": 0, "a": 1}, unk_token=None))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize(("case", "needles"), [
+    ("a list as a yaml key", ["cfg.yaml", "a key must be a name, not ['a']"]),
+    ("a list as a key in an override", ["model.moe="]),
+    ("a seed past 64 bits", ["seed=18446744073709551616", "<= 18446744073709551615"]),
+    ("a tokenizer that cannot encode the corpus", ["wl.json", "cannot encode", "Missing [UNK]"]),
+    ("a corpus too small to split", ["too small to split", "give a longer data.source"]),
+    ("a plan for more memory than it can count", ["--gpu-mem=1e+300", "<="]),
+])
+def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsys, corpus: Path, case: str,
+                                                           needles: list[str]) -> None:
+    """Each was a traceback (or an error naming a field that does not exist) before 2026-12-02."""
+    out = ["--size", "tiny", "--max-steps", "1", "--out", str(tmp_path / "out"), "--data.tokenizer=bytes",
+           f"--data.source={corpus}"]
+    (tmp_path / "cfg.yaml").write_text("? [a]\n: 1\n")
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "a.txt").write_text("x")
+    argv = {"a list as a yaml key": ["train", str(tmp_path / "cfg.yaml"), *out],
+            "a list as a key in an override": ["train", *out, "--model.moe={? [a]: 1}"],
+            "a seed past 64 bits": ["train", *out, "--seed=18446744073709551616"],
+            "a tokenizer that cannot encode the corpus":
+                ["train", *out, f"--data.tokenizer={_wordlevel_without_unk(tmp_path / 'wl.json')}"],
+            "a corpus too small to split": ["train", *out, f"--data.source={tmp_path / 'small'}"],
+            "a plan for more memory than it can count": ["plan", "--size", "1.2b", "--gpu-mem", "1e300"]}[case]
+    assert "val_fraction" not in assert_refused(argv, capsys, needles, tmp_path)
+    assert not (tmp_path / "out").exists()  # nothing made for a command refused before it starts

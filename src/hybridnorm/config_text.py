@@ -32,7 +32,10 @@ class _StrictYamlLoader(yaml.SafeLoader):
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
                 key = self.construct_object(key_node, deep=True)
-                if isinstance(key, typing.Hashable) and key in seen:
+                if not isinstance(key, typing.Hashable):  # `? [a]`: a list or mapping as a key names no field
+                    raise yaml.constructor.ConstructorError(None, None, f"a key must be a name, not {key!r}",
+                                                            key_node.start_mark)
+                if key in seen:
                     raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
                 seen.add(key)
         return super().construct_mapping(node, deep)

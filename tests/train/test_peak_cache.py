@@ -64,6 +64,7 @@ def test_a_full_cache_is_used_as_is(fake_matmul):
     (5e9, [5e9]),  # an earlier release's one number: one sample
     ([5e9, "x", -1.0, True, None, [3e9]], [5e9]),  # what is not a positive number counts as nothing
     ("fast", []), ({"a": 1}, []), (0, []),
+    ([float("inf"), 4e9, float("nan")], [4e9]),  # json reads Infinity and NaN: no peak (MFU against inf)
 ])
 def test_stored_values_count_as_samples_only_when_they_are_positive_numbers(fake_matmul, stored, kept):
     cache, answers, calls = fake_matmul

@@ -152,7 +152,7 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
     cut = nl + 1 if nl >= 0 else len(last) - need
     if not last[:cut].strip() or not last[cut:].strip():
         raise ConfigError(f"the corpus ({len(last)} characters) is too small to split into train and val "
-                          f"with data.val_fraction={val_fraction}")
+                          f"(val: the last {val_fraction:.0%} of it): give a longer data.source")
     return [*train, last[:cut]], [last[cut:]]
 
 

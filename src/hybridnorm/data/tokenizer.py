@@ -114,6 +114,7 @@ class BPETokenizer:
         """``eos_token``: the end-of-text token a tokenizer with none of :data:`EOT_ALIASES` declares (its
         folder's ``eos_token``); ignored when it has one of them (see :func:`load_tokenizer`)."""
         self.hf = hf
+        self.source = source  # named when it cannot encode a text
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         eot_id = alias_eot_id(hf)
         self.declared_eos: str | None = None  # set when the end-of-text token is the declared one
@@ -141,11 +142,24 @@ class BPETokenizer:
         return json.dumps({"eos_token": self.declared_eos}, ensure_ascii=False, indent=1)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        with self._encoding():
+            return self.hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # the _fast variant skips offsets; both run on all cores (RAYON_NUM_THREADS caps them)
-        return [e.ids for e in self.hf.encode_batch_fast(list(texts), add_special_tokens=False)]
+        with self._encoding():
+            return [e.ids for e in self.hf.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    @contextlib.contextmanager
+    def _encoding(self) -> Iterator[None]:
+        """A text the tokenizer cannot encode (a WordLevel model without an unknown token meeting a word it
+        lacks) raises the Rust side's bare ``Exception``: a ConfigError naming the tokenizer file instead."""
+        try:
+            yield
+        except Exception as e:  # tokenizers raises Exception itself, no subclass
+            if type(e) is not Exception:
+                raise
+            raise ConfigError(f"tokenizer {self.source} cannot encode this text: {e}") from None
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

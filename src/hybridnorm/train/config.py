@@ -106,7 +106,7 @@ class TrainConfig(Config):
     device: str = "auto"                      # auto | cpu | cuda | cuda:N | mps
     dist_timeout: float = bounded(600.0, gt=0)  # under torchrun: seconds any collective waits for the other
                                               # ranks before the job fails with an error naming the rank
-    seed: int = bounded(0, ge=0)
+    seed: int = bounded(0, ge=0, le=2**64 - 1)  # torch's generators take 64 bits
     log_interval: int = bounded(10, ge=1)
     eval_interval: int = bounded(100, ge=1)
     eval_batches: int = bounded(16, ge=1)      # validation: this many global batches of windows (the same ones

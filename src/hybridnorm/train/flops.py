@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -154,7 +155,8 @@ def cached_samples(cache: dict, key: str) -> list[float]:
     number as earlier releases stored it; anything else counts as none."""
     value = cache.get(key)
     values = value if isinstance(value, list) else [value]
-    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+    return [float(v) for v in values
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf]  # json reads Infinity
 
 
 @functools.lru_cache(maxsize=8)

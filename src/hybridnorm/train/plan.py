@@ -64,7 +64,7 @@ class PlanOptions(Config):
     SECTION: ClassVar[str] = "plan"
     size: str = "1.2b"
     gpus: int = bounded(8, ge=1)
-    gpu_mem: float = bounded(80.0, gt=0)  # GiB per GPU
+    gpu_mem: float = bounded(80.0, gt=0, le=2.0**30)  # GiB per GPU (at most an exbibyte: a number it can count)
     seq_len: int = bounded(4096, ge=1)
     micro_batch: int | None = bounded(None, ge=1)  # None: the largest that fits
     global_batch_tokens: int = bounded(PAPER_GLOBAL_TOKENS, ge=1)

@@ -130,6 +130,12 @@ def claim_run_dir(run_dir: str | Path, enabled: bool = True) -> Iterator[None]:
         yield
         return
     run_dir = Path(run_dir)
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # the folders this run will create
     check_out_dir(run_dir)
-    with RunLock(run_dir):
-        yield
+    try:
+        with RunLock(run_dir):
+            yield
+    finally:  # a run refused before it wrote anything (bad data, a seed torch refuses) leaves no empty folder
+        for folder in made:  # innermost first; a folder that holds anything stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
