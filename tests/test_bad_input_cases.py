@@ -161,3 +161,19 @@ def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsy
             "a plan for more memory than it can count": ["plan", "--size", "1.2b", "--gpu-mem", "1e300"]}[case]
     assert "val_fraction" not in assert_refused(argv, capsys, needles, tmp_path)
     assert not (tmp_path / "out").exists()  # nothing made for a command refused before it starts
+
+
+def test_a_run_whose_checkpoints_folder_is_a_file_is_refused_not_restarted(tmp_path: Path, capsys, corpus: Path,
+                                                                          cache_dir: Path) -> None:
+    """Before 2026-12-02 `--resume` found no checkpoint there, moved the log aside and trained from step 0."""
+    import shutil
+
+    from train_helpers import cli_in_process, tiny_overrides
+
+    run = tmp_path / "run"
+    cli_in_process("train", *tiny_overrides(corpus, cache_dir, run), "--max-steps", "2", "--ckpt_interval=2")
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").write_text("x")
+    assert_refused(["train", *tiny_overrides(corpus, cache_dir, run), "--resume", "--max-steps", "4"], capsys,
+                   [str(run / "checkpoints"), "is a file"], tmp_path)
+    assert not (run / "metrics.stale.jsonl").exists()

@@ -38,6 +38,10 @@ def check_out_dir(run_dir: Path) -> None:
     """Refuse (:class:`ConfigError`) a file, a path under a file, or a folder that cannot be written (see
     :func:`check_writable_dir`); then create ``run_dir``: the lock file goes inside it."""
     check_output_folder(run_dir, "out_dir (--out)", may_hold=("run",))  # never into a folder of the user's other files
+    ckpts = run_dir / "checkpoints"
+    if ckpts.exists() and not ckpts.is_dir():  # else a resume would find no checkpoint and start the run over
+        raise ConfigError(f"{ckpts} is a file, not the run's checkpoints folder: move it away or choose another "
+                          "--out (nothing was changed)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
