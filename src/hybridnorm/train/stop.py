@@ -84,6 +84,8 @@ def process_signals() -> Iterator[None]:
     try:
         yield
     finally:
-        if not _stopping:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
+        for sig, handler in old.items():
+            # stopping: ignored from here to the end. Not this module's handler: Python's shutdown puts the
+            # default action back in place of a Python handler before the slow part of the exit (torch's
+            # teardown), where a repeated SIGTERM then killed the process with 143 instead of its 130
+            signal.signal(sig, signal.SIG_IGN if _stopping else handler)
