@@ -1,6 +1,7 @@
-"""`hybridnorm compare`'s one init for all placements is the user's, wherever the user gave it: `--model.init`
-on the command line or `model.init` in the config file (before 2026-12-02 the file's was dropped for megatron,
-silently), else megatron; `--init` overrides both. Checked on the runs' own records, through the command."""
+"""Grid options as the commands read them. `hybridnorm compare`'s one init for all placements is the user's,
+wherever the user gave it: `--model.init` on the command line or `model.init` in the config file (before
+2026-12-02 the file's was dropped for megatron, silently), else megatron; `--init` overrides both. Checked on
+the runs' own records, through the command. `--values` without `--knob` is refused (it was dropped)."""
 
 import json
 from pathlib import Path
@@ -30,3 +31,10 @@ def test_the_grid_runs_the_users_init_from_the_file_or_the_flag(tmp_path: Path, 
     (run,) = (out / "runs").iterdir()
     assert json.loads((run / "point.json").read_text())["point"]["init"] == expected
     assert read_metrics(run, "meta")[0]["init"] == expected  # what the run itself drew its weights with
+
+
+def test_values_without_a_knob_is_refused_not_dropped(tmp_path: Path) -> None:
+    r = cli_in_process("sweep", "--placements", "pre", "--values", "1,2", "--out", str(tmp_path / "s"), ok=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --values needs --knob KEY (the field the values are for), or give --axis KEY=v1,v2"]
+    assert not (tmp_path / "s").exists()

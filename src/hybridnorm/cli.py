@@ -106,6 +106,8 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
     except ValueError:
         raise ConfigError(f"--seeds must be integers, got {args.seeds!r}") from None
     axes: list[tuple[str, list[object]]] = []
+    if getattr(args, "values", None) and not getattr(args, "knob", None):  # else the values were dropped, silently
+        raise ConfigError("--values needs --knob KEY (the field the values are for), or give --axis KEY=v1,v2")
     if getattr(args, "knob", None):
         if not args.values:
             raise ConfigError("--knob needs --values v1,v2,...")

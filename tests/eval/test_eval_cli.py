@@ -126,6 +126,9 @@ BAD = {
     "mc label out of range": (lambda t: ["--mc", str(write_jsonl(t / "l.jsonl", [{**QUESTIONS[0], "label": 9}]))],
                               ["l.jsonl:1", "label 9"], False),
     "text missing": (lambda t: ["--text", str(t / "none.txt")], ["none.txt", "does not exist"], False),
+    # named as the option it was given as (before 2026-12-02: as training's data.source)
+    "text empty": (lambda t: ["--text", str(t / "e.txt") if (t / "e.txt").write_text("") == 0 else ""],
+                   ["error: --text ", "e.txt: the corpus is empty"], False),
     "include path without tasks": (lambda t: ["--include-path", str(t)], ["--include-path", "--tasks"], False),
     "limit zero": (lambda t: ["--mc", "x.jsonl", "--limit", "0"], ["--limit"], False),
     "batch size not a number": (lambda t: ["--mc", "x.jsonl", "--batch-size", "big"],

@@ -106,7 +106,10 @@ def read_documents(source: str | Path, text_field: str = "text", max_docs: int |
     if path.is_file() and path.suffix not in SUFFIXES:
         text = read_text(path)
         return [text] if text.strip() else []
-    return load_corpus(source, val_fraction=0.0, text_field=text_field, max_docs=max_docs).train
+    try:
+        return load_corpus(source, val_fraction=0.0, text_field=text_field, max_docs=max_docs).train
+    except ConfigError as e:  # the corpus reader names training's field; these are the documents --text names
+        raise ConfigError(str(e).replace(f"data.source={source!r}", f"--text {source}", 1)) from None
 
 
 def perplexity_of_run(run: Run, source: str | Path, batch_size: int | RowRule = 8, text_field: str = "text",
