@@ -143,6 +143,7 @@ def _wordlevel_without_unk(path: Path) -> Path:
     ("a tokenizer that cannot encode the corpus", ["wl.json", "cannot encode", "Missing [UNK]"]),
     ("a corpus too small to split", ["too small to split", "give a longer data.source"]),
     ("a plan for more memory than it can count", ["--gpu-mem=1e+300", "<="]),
+    ("gradprofile into a folder", ["--out", "is a folder", "gradprofile.json"]),  # was: after the profiles
 ])
 def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsys, corpus: Path, case: str,
                                                            needles: list[str]) -> None:
@@ -158,7 +159,9 @@ def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsy
             "a tokenizer that cannot encode the corpus":
                 ["train", *out, f"--data.tokenizer={_wordlevel_without_unk(tmp_path / 'wl.json')}"],
             "a corpus too small to split": ["train", *out, f"--data.source={tmp_path / 'small'}"],
-            "a plan for more memory than it can count": ["plan", "--size", "1.2b", "--gpu-mem", "1e300"]}[case]
+            "a plan for more memory than it can count": ["plan", "--size", "1.2b", "--gpu-mem", "1e300"],
+            "gradprofile into a folder": ["gradprofile", "--out", str(tmp_path / "small"), "--sizes", "tiny",
+                                          "--placements", "pre", "--seeds", "0", "--seq-len", "16"]}[case]
     assert "val_fraction" not in assert_refused(argv, capsys, needles, tmp_path)
     assert not (tmp_path / "out").exists()  # nothing made for a command refused before it starts
 

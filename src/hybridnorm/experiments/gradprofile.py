@@ -29,10 +29,12 @@ import numpy as np
 import torch
 
 from hybridnorm import plain_data
+from hybridnorm.data.tokenizer import atomic_write
 from hybridnorm.diagnostics.groups import group_params
 from hybridnorm.errors import ConfigError, OneLineArgumentParser
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.preflight import check_output_file
 
 SIZES = ("550m", "543m-deep")
 PLACEMENTS = ("pre", "post", "hybridnorm", "hybridnorm_star")
@@ -102,6 +104,7 @@ def profile(size: str, placement: str, init: str, seed: int, batch_size: int, se
 def run(out: Path, sizes: Sequence[str], placements: Sequence[str], inits: Sequence[str], seeds: Sequence[int],
         batch_size: int, seq_len: int, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Every profile not yet in ``out``, seed-major (seed 0 of every cell first), each saved when done."""
+    check_output_file(out, "--out", example="gradprofile.json")  # a folder: refused now, not after hours
     found = read_profiles(out)
     for size in sizes:  # every bad name is an error now, not hours into the grid
         for placement in placements:
@@ -116,10 +119,7 @@ def run(out: Path, sizes: Sequence[str], placements: Sequence[str], inits: Seque
                         continue
                     rec = profile(size, placement, init, seed, batch_size, seq_len, overrides)
                     found["profiles"].append(rec)
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = out.with_suffix(".tmp")
-                    tmp.write_text(json.dumps(found, indent=1), encoding="utf-8")
-                    tmp.replace(out)
+                    atomic_write(out, json.dumps(found, indent=1))  # never a half file; no name of the user's taken
                     print(f"[gradprofile] {size} {placement} init={init} seed={seed}: loss {rec['loss']:.3f}, "
                           f"last/first block ‖∇‖ {rec['block'][-1] / rec['block'][0]:.3g} "
                           f"({rec['seconds']:.0f} s)", flush=True)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any
 
 from torch import Tensor
 from transformers import masking_utils
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # the name transformers' outputs (and generate's model kwargs) use for the KV cache
@@ -35,3 +37,21 @@ def causal_mask(config: Any, inputs_embeds: Tensor, attention_mask: Tensor | Non
 def with_cache(cache: Any) -> dict[str, Any]:
     """``{<the installed release's cache field>: cache}``, for an output dataclass."""
     return {CACHE_FIELD: cache}
+
+
+def cache_arg(cache: Any, kwargs: dict[str, Any]) -> Any:
+    """The KV cache, passed as ``cache`` (transformers >= 5.23) or ``past_key_values`` (earlier, and still
+    accepted by those releases with a deprecation warning, as their own models do).
+
+    Before 5.23 continuous batching passes its paged cache as ``cache`` beside the KV cache's name, for the
+    ``paged|...`` attention functions to update: there a ``cache`` that is no transformers ``Cache`` is left in
+    ``kwargs``, which reach those functions."""
+    if CACHE_FIELD == "past_key_values" and cache is not None and not isinstance(cache, Cache):
+        kwargs["cache"], cache = cache, None
+    legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None and cache is not None and legacy is not cache:  # said, as transformers' models say it
+        warnings.warn("both `cache` and `past_key_values` given: using `cache`, ignoring `past_key_values`",
+                      FutureWarning, stacklevel=3)
+    elif legacy is not None and CACHE_FIELD == "cache":
+        warnings.warn("`past_key_values` is deprecated: pass the KV cache as `cache`", FutureWarning, stacklevel=3)
+    return cache if cache is not None else legacy

@@ -33,9 +33,9 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import logging
 
-from hybridnorm.hf.compat import CACHE_FIELD, with_cache
+from hybridnorm.hf.compat import CACHE_FIELD, cache_arg, with_cache
 from hybridnorm.hf.configuration import HybridNormConfig
-from hybridnorm.hf.modeling import HybridNormPreTrainedModel, _cache_arg, _return_dict
+from hybridnorm.hf.modeling import HybridNormPreTrainedModel, _return_dict
 
 __all__ = ["HybridNormForQuestionAnswering", "HybridNormForSequenceClassification",
            "HybridNormForTokenClassification"]
@@ -55,7 +55,7 @@ class _HeadModel(HybridNormPreTrainedModel):
     def _hidden(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
                 cache: Any, inputs_embeds: Tensor | None, use_cache: bool | None, output_attentions: bool | None,
                 output_hidden_states: bool | None, kwargs: dict[str, Any]) -> Any:
-        return self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
+        return self._decode(input_ids, attention_mask, position_ids, cache_arg(cache, kwargs), inputs_embeds,
                             use_cache, output_attentions, output_hidden_states)
 
 

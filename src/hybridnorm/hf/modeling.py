@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import warnings
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -39,7 +38,7 @@ from transformers.modeling_outputs import (
 
 from hybridnorm.hf import remote_code
 from hybridnorm.hf.attention import AttentionCall, CacheView, HFKernel
-from hybridnorm.hf.compat import CACHE_FIELD, causal_mask, with_cache
+from hybridnorm.hf.compat import CACHE_FIELD, cache_arg, causal_mask, with_cache
 from hybridnorm.hf.configuration import MODEL_TYPE, HybridNormConfig
 from hybridnorm.hf.loss import causal_lm_loss
 from hybridnorm.hf.tied_head import TiedHead
@@ -243,24 +242,6 @@ def _default_positions(T: int, attention_mask: Tensor | None, cache: Any, device
     return (torch.arange(T, device=device) + past).unsqueeze(0)
 
 
-def _cache_arg(cache: Any, kwargs: dict[str, Any]) -> Any:
-    """The KV cache, passed as ``cache`` (transformers >= 5.23) or ``past_key_values`` (earlier, and still
-    accepted by those releases with a deprecation warning, as their own models do).
-
-    Before 5.23 continuous batching passes its paged cache as ``cache`` beside the KV cache's name, for the
-    ``paged|...`` attention functions to update: there a ``cache`` that is no transformers ``Cache`` is left in
-    ``kwargs``, which reach those functions."""
-    if CACHE_FIELD == "past_key_values" and cache is not None and not isinstance(cache, Cache):
-        kwargs["cache"], cache = cache, None
-    legacy = kwargs.pop("past_key_values", None)
-    if legacy is not None and cache is not None and legacy is not cache:  # said, as transformers' models say it
-        warnings.warn("both `cache` and `past_key_values` given: using `cache`, ignoring `past_key_values`",
-                      FutureWarning, stacklevel=3)
-    elif legacy is not None and CACHE_FIELD == "cache":
-        warnings.warn("`past_key_values` is deprecated: pass the KV cache as `cache`", FutureWarning, stacklevel=3)
-    return cache if cache is not None else legacy
-
-
 class HybridNormModel(HybridNormPreTrainedModel):
     """The decoder without its head (``AutoModel``): ``last_hidden_state`` is the final-normed stream that
     the head reads. The untied head's weight, if any, stays in ``model.lm_head`` so that weight names are
@@ -281,7 +262,7 @@ class HybridNormModel(HybridNormPreTrainedModel):
                 use_cache: bool | None = None, output_attentions: bool | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None,
                 output_router_logits: bool | None = None, **kwargs: Any) -> BaseModelOutputWithPast | tuple:
-        out = self._decode(input_ids, attention_mask, position_ids, _cache_arg(cache, kwargs), inputs_embeds,
+        out = self._decode(input_ids, attention_mask, position_ids, cache_arg(cache, kwargs), inputs_embeds,
                            use_cache, output_attentions, output_hidden_states, self._router_flag(output_router_logits),
                            kwargs)
         return out if _return_dict(self.config, return_dict) else out.to_tuple()
@@ -304,10 +285,9 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
         return self.model.lm_head if self.model.lm_head is not None else self.tied_head
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers' ``generate``, less LayerSkip's self-speculative decoding (``assistant_early_exit``),
-        refused with its reason: transformers shortens a model by writing ``num_hidden_layers`` into its base
-        model's config, which for us is the TransformerLM's ModelConfig (not a transformers config). The other
-        assistants (``assistant_model``, ``prompt_lookup_num_tokens``) give the same tokens faster."""
+        """transformers' ``generate``, less LayerSkip's ``assistant_early_exit``, refused with its reason:
+        transformers shortens a model by writing ``num_hidden_layers`` into its base model's config, for us
+        the TransformerLM's ModelConfig. ``assistant_model`` or ``prompt_lookup_num_tokens`` assist instead."""
         config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.generation_config
         if kwargs.get("assistant_early_exit", getattr(config, "assistant_early_exit", None)) is not None:
             raise ValueError("assistant_early_exit (LayerSkip's self-speculative decoding) is not supported by "
