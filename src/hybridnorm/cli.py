@@ -213,17 +213,22 @@ COMMANDS = {"train": _train, "compare": _experiment, "sweep": _experiment, "gene
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
-    from hybridnorm.train.stop import process_signals  # stdlib only: installed before torch is imported
+    from hybridnorm.train.stop import process_signals, stop_requested  # stdlib only: before torch is imported
 
     # every command: SIGTERM as well as Ctrl-C unwinds (a half-written export or import folder, an eval's
     # temporary file are removed on the way out) and ends in one "interrupted:" line and 130; in train's
     # loop a stop saves first; a repeated signal breaks neither
     with process_signals():
         try:
-            return _main(words, command, argv)
+            rc = _main(words, command, argv)
         except KeyboardInterrupt:  # at any moment, while the command starts too (imports, options), as when
             print(_interrupted(command), file=sys.stderr)  # torchrun stops a rank whose peer failed first
             return EXIT_INTERRUPTED
+        if rc == 0 and stop_requested():  # the signal's KeyboardInterrupt was caught by a library on its way
+            print("interrupted: the signal reached the command while a library caught it, so it finished its "
+                  "work first; what it wrote is complete", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return rc
 
 
 def _interrupted(command: str | None) -> str:

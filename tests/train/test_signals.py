@@ -162,7 +162,15 @@ IMPORT_WRAPPER = textwrap.dedent('''
                     time.sleep(0.01)
             return None  # the usual finders import it
 
-    sys.meta_path.insert(0, HoldTorch())
+    class SwallowAtTorch(HoldTorch):  # third-party start-up code that catches everything, KeyboardInterrupt too
+        def find_spec(self, name, path=None, target=None):
+            try:
+                super().find_spec(name, path, target)
+            except BaseException:
+                pass
+
+    sys.meta_path.insert(0, SwallowAtTorch() if "--swallow" in sys.argv else HoldTorch())
+    sys.argv = [a for a in sys.argv if a != "--swallow"]
     sys.argv = ["hybridnorm", *sys.argv[2:]]
     runpy.run_module("hybridnorm.cli", run_name="__main__")
 ''')
@@ -184,3 +192,44 @@ def test_a_signal_while_torch_is_still_importing_is_interrupted_and_130(corpus, 
         "interrupted: outside the training loop, so no checkpoint was lost; the same command with --resume "
         "continues the run (or starts it, where none was written)"]
     assert not (run / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_that_start_up_code_swallowed_still_stops_the_run_before_its_loop(corpus, cache_dir, tmp_path,
+                                                                                   sig):
+    """A library that catches every exception while the signal's KeyboardInterrupt passes through it (seen
+    in torch's import) made the trainer go on to train every step and exit 0 before 2026-12-02: now the
+    training loop does not start, exit 130, nothing trained."""
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(IMPORT_WRAPPER, encoding="utf-8")
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start_trainer([*tiny_overrides(corpus, cache_dir, run), "--max_steps=100000", "--swallow"], log,
+                         wrapper=[str(wrapper), str(tmp_path / "held")])
+    with _reaped(proc):
+        _signal_while_held(proc, sig, tmp_path, "torch", log)
+        output = _stopped_output(proc, log)
+    assert [ln for ln in output.splitlines() if ln.startswith("interrupted")] == [
+        "interrupted: outside the training loop, so no checkpoint was lost; the same command with --resume "
+        "continues the run (or starts it, where none was written)"]
+    assert train_records(run) == 0 and not list_checkpoints(run / "checkpoints")
+
+
+def test_a_command_without_a_loop_that_finished_despite_a_swallowed_signal_says_so_and_exits_130(tmp_path):
+    """`plan` (any command with no training loop to refuse): its work is done when the swallowed signal is
+    seen, so it says that and exits 130, as the signal asked (before 2026-12-02: exit 0, nothing said)."""
+    import os
+    import sys
+
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text(IMPORT_WRAPPER, encoding="utf-8")
+    log = tmp_path / "plan.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(wrapper), str(tmp_path / "held"), "plan", "--size", "tiny",
+                                 "--seq-len", "64", "--swallow"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    with _reaped(proc):
+        _signal_while_held(proc, signal.SIGTERM, tmp_path, "torch", log)
+        output = _stopped_output(proc, log)
+    assert "tokens per step" in output  # the plan was printed whole
+    assert output.strip().splitlines()[-1] == ("interrupted: the signal reached the command while a library caught "
+                                               "it, so it finished its work first; what it wrote is complete")

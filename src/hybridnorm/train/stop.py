@@ -41,6 +41,8 @@ class StopFlag:
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> StopFlag:
+        if _stopping:  # a signal before the loop whose KeyboardInterrupt third-party code caught (a library's
+            raise KeyboardInterrupt  # import that catches everything): stop now, not after every step is trained
         for sig in SIGNALS:
             with contextlib.suppress(ValueError):  # not the main thread: leave handlers alone
                 self._old[sig] = signal.signal(sig, self._handle)
