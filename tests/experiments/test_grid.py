@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridnorm.errors import ConfigError
+from hybridnorm.experiments.compare import run_experiment
 from hybridnorm.experiments.grid import Grid, one_precision, point_config, run_grid
 from hybridnorm.experiments.runs import read_run
 
@@ -97,7 +98,9 @@ def test_jobs_train_in_worker_processes_with_the_same_results(make_cfg, tmp_path
         run_grid(base, grid, tmp_path / "p2", jobs=0)
 
 
-def test_a_failing_worker_is_reported_and_the_rest_of_the_grid_runs(make_cfg, tmp_path):
+def test_a_failing_worker_is_reported_as_failed_and_the_command_fails(make_cfg, tmp_path, monkeypatch):
+    """The other run still trains; the failed one is *failed* with its error in summary.md and runs.json (it
+    once read 'unfinished' with no reason, and the command exited 0), and the command raises the error."""
     grid = Grid(["pre", "post"], ["megatron"], [], [0])
     base = make_cfg(tmp_path / "u", "--max_steps=2")
     out = tmp_path / "g"
@@ -113,15 +116,54 @@ def test_a_failing_worker_is_reported_and_the_rest_of_the_grid_runs(make_cfg, tm
             spec["config"]["model"]["placement"] = "no_such_placement"
             (run_dir / "point.json").write_text(json.dumps(spec))
 
-    grid_mod.prepare_point = sabotage
-    try:
-        runs = run_grid(base, grid, out, jobs=2)
-    finally:
-        grid_mod.prepare_point = real
-    done = {r.placement: r.done for r in runs}
-    assert done == {"pre": True, "post": False}
-    log = (out / "runs" / runs[1].path.name / "worker.log").read_text()
-    assert "error:" in log and "no_such_placement" in log
+    monkeypatch.setattr(grid_mod, "prepare_point", sabotage)
+    with pytest.raises(ConfigError, match=r"1 of 2 runs failed \(post-init=megatron-seed0: .*no_such_placement"):
+        run_experiment(base, grid, out, jobs=2)
+    log = (out / "runs" / "post-init=megatron-seed0" / "worker.log").read_text()
+    error = next(x for x in log.splitlines() if x.startswith("error: "))[len("error: "):]
+    records = {r["placement"]: r for r in json.loads((out / "runs.json").read_text())["runs"]}
+    assert records["pre"]["done"] and records["pre"]["verdict"] is not None
+    assert records["post"]["failed"] and records["post"]["verdict_reason"] == f"failed: {error}"
+    row = next(x for x in (out / "summary.md").read_text().splitlines() if x.startswith("| post-init"))
+    assert "| *failed* |" in row and "no_such_placement" in row
+    assert "**1 failed**" in (out / "summary.md").read_text()
+
+
+def test_a_point_failing_in_the_grid_process_stops_the_grid_and_is_reported_as_failed(make_cfg, tmp_path,
+                                                                                       monkeypatch):
+    """--jobs 1: the point's error stops the grid (as before); its folder now says it failed, so a report
+    written later lists it as failed with that error rather than as unfinished."""
+    from hybridnorm.experiments import grid as grid_mod
+
+    real = grid_mod.prepare_point
+
+    def sabotage(cfg, point, run_dir):  # the point file breaks after it is written
+        real(cfg, point, run_dir)
+        spec = json.loads((run_dir / "point.json").read_text())
+        (run_dir / "point.json").write_text(json.dumps({**spec, "config": {**spec["config"], "seq_len": "x"}}))
+
+    monkeypatch.setattr(grid_mod, "prepare_point", sabotage)
+    grid, base, out = Grid(["pre"], ["megatron"], [], [0]), make_cfg(tmp_path / "u", "--max_steps=2"), tmp_path / "g"
+    with pytest.raises(ConfigError, match="seq_len='x'") as e:
+        run_experiment(base, grid, out)
+    failed = json.loads((out / "runs" / "pre-init=megatron-seed0" / "failed.json").read_text())
+    assert failed["error"] == " ".join(str(e.value).split())
+    with pytest.raises(ConfigError, match="1 of 1 runs failed"):
+        run_experiment(base, grid, out, train=False)
+    assert "| *failed* |" in (out / "summary.md").read_text()
+
+
+def test_a_grid_paused_with_stop_after_steps_is_finished_by_the_command_without_it(make_cfg, tmp_path):
+    """Once refused: 'run folder ... was trained with a different config (stop_after_steps differ)'."""
+    grid = Grid(["pre"], ["megatron"], [], [0])
+    plain = make_cfg(tmp_path / "u", "--max_steps=6", "--ckpt_interval=2")
+    full = run_grid(plain, grid, tmp_path / "full")
+    (paused,) = run_grid(make_cfg(tmp_path / "u", "--max_steps=6", "--ckpt_interval=2", "--stop_after_steps=3"),
+                         grid, tmp_path / "g")
+    assert not paused.done and paused.last_step == 3
+    (run,) = run_grid(plain, grid, tmp_path / "g")
+    assert run.done and run.last_step == 6 and run.config["stop_after_steps"] == 0
+    assert _losses(run.path) == _losses(full[0].path)
 
 
 def test_report_only_reads_without_training(make_cfg, tmp_path):

@@ -22,8 +22,9 @@ def _run(root, placement, seed, val, *, lr=1e-3, init="megatron", extra=None, co
             **({"code": code} if code else {}), **({"hardware": hardware} if hardware else {}),
             **({"bigram_entropy": bigram} if bigram is not None else {})}
     diag = {"kind": "diag", "step": 1, **{f"grad_norm/blocks.{i}": 1.0 + i for i in range(3)}}
-    recs = [meta, diag, {"kind": "train", "step": 10, "loss": val, "tokens": 100},
-            {"kind": "eval", "step": 10, "val_loss": val, "val_tokens": 100}]
+    end = (extra or {}).get("max_steps", 10)  # the trainer logs and evaluates at max_steps; 10 tokens per step
+    recs = [meta, diag, {"kind": "train", "step": end, "loss": val, "tokens": 10 * end},
+            {"kind": "eval", "step": end, "val_loss": val, "val_tokens": 100}]
     (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
     if diverged:
         (run / "divergence.json").write_text(json.dumps({"step": 7}))

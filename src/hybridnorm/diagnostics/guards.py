@@ -121,6 +121,13 @@ def first_nonfinite_param(model: nn.Module, grad: bool) -> str | None:
     return None
 
 
+def has_nonfinite_weight(model: nn.Module) -> bool:
+    """Whether any parameter (this rank's own shard of a sharded one) holds a non-finite value; one host sync."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    flags = [torch.isfinite(t).all() for t in local if t.numel()]
+    return bool(not torch.stack(flags).all()) if flags else False
+
+
 def divergence_report(*, step: int, loss: float, grad_norm: float, model: nn.Module,
                       batches: Iterable[tuple[Tensor, Tensor]], loss_fn: Callable[[Tensor, Tensor], Tensor],
                       recent_losses: list[float], last_diagnostics: dict[str, Any] | None,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybridnorm.errors import ConfigError
-from hybridnorm.experiments.grid import Grid, join_ranks, run_grid
+from hybridnorm.experiments.grid import Grid, check_report_only, join_ranks, run_grid
 from hybridnorm.experiments.report import print_verdicts, write_report
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import agree, current_dist
@@ -44,6 +44,8 @@ def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: 
     try:  # the output-folder rule of every command: a report folder (this grid's, to continue) or a new one
         if train and d.is_main:
             check_output_folder(out, "report folder (--out)", may_hold=("report",))
+        if not train and d.is_main:  # a grid's report folder, and the options that trained its runs
+            check_report_only(base, grid, out)
     except ConfigError as e:
         failed = e
     agree(failed, d, f"checking the report folder {out}")
@@ -56,6 +58,11 @@ def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: 
     except Exception as e:  # re-raised by agree() on this rank; the others learn it failed, not wait for it
         failed = e
     agree(failed, d, f"writing the report in {out}")
+    if broken := [r for r in runs if r.failed is not None]:  # reported as failed; the command fails with them
+        raise ConfigError(f"{len(broken)} of {len(runs)} runs failed ({broken[0].path.name}: {broken[0].failed}"
+                          + (f"; and {len(broken) - 1} more" if len(broken) > 1 else "")
+                          + f"); the report {out / 'summary.md'} lists them; fix the cause and run the command "
+                          "again to retry them")
     return out / "summary.md"
 
 

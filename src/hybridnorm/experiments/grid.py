@@ -13,8 +13,10 @@ value is one init for every placement. ``warmup_frac`` sets ``optim.warmup_steps
 ``max_steps`` at every point (so a steps or depth axis keeps the same schedule shape).
 
 ``jobs > 1`` trains that many points side by side, each in its own process (``python -m
-hybridnorm.experiments.grid RUN_DIR``) with the machine's cores split between them. Ctrl-C or SIGTERM stops
-every worker after its current step with a checkpoint; running the command again continues.
+hybridnorm.experiments.grid RUN_DIR``, :mod:`.grid_workers`) with the machine's cores split between them.
+Ctrl-C or SIGTERM stops every worker after its current step with a checkpoint; running the command again
+continues. A point whose worker fails is marked failed in its folder and report. What a grid refuses before
+it trains (two names of one placement, a missing data source) or reports is in :mod:`.grid_checks`.
 
 Under ``torchrun`` (:func:`join_ranks`) the points train one after another, each on every rank with DDP (FSDP
 runs collect no per-layer diagnostics, which the verdicts need), the global batch split over the ranks as in
@@ -24,15 +26,11 @@ ranks make the grid that one process makes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,23 @@ from typing import Any
 from hybridnorm import placements as registry
 from hybridnorm.config_base import config_differences
 from hybridnorm.errors import ConfigError
+from hybridnorm.experiments.grid_checks import (
+    PAUSE_FIELDS,
+    check_data_sources,
+    check_placement_spellings,
+    check_report_folder,
+    check_trained_with,
+    no_repeats,
+    with_pause_of,
+)
+from hybridnorm.experiments.grid_workers import (
+    clear_failure,
+    record_failure,
+    run_parallel,
+    sigterm_as_interrupt,
+    train_point,
+    worker_main,
+)
 from hybridnorm.experiments.runs import RunRecord, read_point, read_run_or_unreadable, slug
 from hybridnorm.placements.spec import INITS
 from hybridnorm.train.config import TrainConfig
@@ -49,7 +64,6 @@ from hybridnorm.train.precision import choose_precision
 KNOB_ALIASES = {"lr": "optim.lr", "depth": "model.n_layers", "layers": "model.n_layers", "warmup": "optim.warmup_steps",
                 "width": "model.d_model", "steps": "max_steps", "clip": "optim.grad_clip"}
 INIT_AXIS = ("paper", *INITS)
-EXIT_INTERRUPTED, EXIT_PAUSED = 130, 75  # a worker's exit codes besides 0 (done) and 2 (bad input)
 
 
 def knob_key(name: str) -> str:
@@ -102,7 +116,8 @@ class Grid:
             raise ConfigError(f"--warmup-frac={self.warmup_frac} must be in [0, 1)")
         for option, values in (("--placements", self.placements), ("--init", self.inits),
                                ("--seeds", self.seeds), *((f"--axis {k}", v) for k, v in self.axes)):
-            _no_repeats(option, values)
+            no_repeats(option, values)
+        check_placement_spellings(self.placements)  # hybridnorm and QKV-Post: one model, trained twice
         names = [p.name for p in self.points()]
         twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
         if twice is not None:  # two values that differ but name the same run folder
@@ -116,20 +131,6 @@ class Grid:
             combos = [(*c, (knob_key(key), v)) for c in combos for v in values]
         return [GridPoint(p, init, knobs, seed) for seed in self.seeds for knobs in combos
                 for init in self.inits for p in self.placements]
-
-
-def _no_repeats(option: str, values: Sequence[Any]) -> None:
-    """A value listed twice would train once and then count twice in the report's statistics."""
-    for i, v in enumerate(values):
-        earlier = [u for u in values[:i] if _same_value(u, v)]
-        if earlier:
-            same = f" ({earlier[0]!r} and {v!r} are one value)" if repr(earlier[0]) != repr(v) else ""
-            raise ConfigError(f"{option} lists {v!r} twice{same}; each value may appear once")
-
-
-def _same_value(a: Any, b: Any) -> bool:  # 1e-3 and 0.001 are one lr; True and 1 are not one value
-    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
-    return a == b and (numbers or type(a) is type(b))
 
 
 def with_diagnostics(cfg: TrainConfig, every: int | None = None) -> TrainConfig:
@@ -151,7 +152,7 @@ def point_config(base: TrainConfig, grid: Grid, point: GridPoint, run_dir: Path)
     return with_diagnostics(cfg, grid.diag_every).validate()
 
 
-def one_precision(configs: list[TrainConfig]) -> list[TrainConfig]:
+def one_precision(configs: list[TrainConfig], quiet: bool = False) -> list[TrainConfig]:
     """The points' configs with ``precision="auto"`` resolved ONCE for all of them: what ``auto`` picks for
     each point's model on this device if that is the same for all of them, else fp32. Per point, a width or
     depth axis could otherwise train some runs in bf16 and others in fp32, a difference no report would name.
@@ -161,108 +162,55 @@ def one_precision(configs: list[TrainConfig]) -> list[TrainConfig]:
         return configs
     picks = {choose_precision("auto", resolve_device(c.device), c.model.d_model)[0] for c in auto}
     chosen = picks.pop() if len(picks) == 1 else "fp32"
-    if current_dist().is_main:
+    if current_dist().is_main and not quiet:
         print(f"[grid] precision auto -> {chosen} for every run", file=sys.stderr, flush=True)
     return [dataclasses.replace(c, precision=chosen) if c.precision == "auto" else c for c in configs]
 
 
 def prepare_point(cfg: TrainConfig, point: GridPoint, run_dir: Path) -> None:
-    """Write ``point.json``, or check that the one there is this point's with this config."""
+    """Write ``point.json``, or check that the one there is this point's with this config. The pause fields
+    (grid_checks.PAUSE_FIELDS) are not compared: an unfinished point takes this command's, so that a grid
+    paused with --stop_after_steps is finished by the command without it."""
     want = {"point": point.to_dict(), "config": json.loads(json.dumps(cfg.to_dict()))}
     path = run_dir / "point.json"
     if path.is_file():
         have = read_point(path)
         # out_dir is the folder itself: a grid moved, cloned or started from another directory is the same grid
         diff = [k for k in config_differences(have.get("config", {}), want["config"], common_only=True)
-                if k != "out_dir"]
+                if k not in ("out_dir", *PAUSE_FIELDS)]
         if have.get("point") != want["point"] or diff:
             diff = diff or ["point"]
             raise ConfigError(f"run folder {run_dir} was trained with a different config ({', '.join(diff)} "
                               "differ); use another --out, or delete that folder to retrain it")
+        paused = with_pause_of(have["config"], cfg)
+        if paused != have["config"] and not (run_dir / "done.json").is_file():
+            _write_point(path, {**have, "config": paused})
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(want, indent=1), encoding="utf-8")
-        tmp.replace(path)
+        _write_point(path, want)
 
 
-def train_point(run_dir: Path) -> str:
-    """Train one prepared point in this process: ``"done"`` (finished, or stopped by the non-finite guard),
-    ``"interrupted"`` (a signal) or ``"paused"`` (the config's own stop_after_steps / max_minutes); a run
-    that is not done has its checkpoint saved and the next call continues it."""
-    from hybridnorm.train.trainer import train
-
-    path = run_dir / "point.json"
-    cfg = dataclasses.replace(TrainConfig.from_dict(read_point(path)["config"]), out_dir=str(run_dir))  # wherever it is
-    # an unfinished run whose checkpoints are gone (e.g. a grid folder committed without them) restarts from
-    # step 0, and the trainer sets its old log aside as metrics.stale.jsonl
-    result = train(cfg, resume=True, quiet=True)
-    if result.interrupted:
-        return "interrupted"
-    if not (result.diverged or result.step >= cfg.max_steps):
-        return "paused"
-    if not current_dist().is_main:  # under torchrun the run trained on every rank; rank 0 marks it done
-        return "done"
-    (run_dir / "done.json").write_text(json.dumps({"step": result.step, "diverged": result.diverged}) + "\n",
-                                       encoding="utf-8")
-    return "done"
+def _write_point(path: Path, spec: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(spec, indent=1), encoding="utf-8")
+    tmp.replace(path)
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM to the grid process becomes KeyboardInterrupt, so its workers are stopped cleanly too."""
-    def raise_interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-    try:
-        old = signal.signal(signal.SIGTERM, raise_interrupt)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def _run_parallel(todo: list[Path], jobs: int, on_done: Callable[[Path], None]) -> list[tuple[Path, int]]:
-    """Train ``todo`` in ``jobs`` worker processes; returns (run folder, exit code) of failed workers."""
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    pending, running, failed = list(todo), [], []
-    try:
-        while pending or running:
-            while pending and len(running) < jobs:
-                run_dir = pending.pop(0)
-                log = open(run_dir / "worker.log", "ab")  # closed when the worker ends
-                proc = subprocess.Popen([sys.executable, "-m", "hybridnorm.experiments.grid", str(run_dir),
-                                         "--threads", str(threads)], stdout=log, stderr=subprocess.STDOUT, env=env)
-                running.append((proc, run_dir, log))
-            time.sleep(0.2)
-            for item in list(running):
-                proc, run_dir, log = item
-                if (rc := proc.poll()) is None:
-                    continue
-                running.remove(item)
-                log.close()
-                if rc == EXIT_INTERRUPTED:
-                    raise KeyboardInterrupt
-                if rc == EXIT_PAUSED:
-                    continue
-                if rc != 0:
-                    failed.append((run_dir, rc))
-                    print(f"[grid] worker for {run_dir} failed (exit {rc}); see {run_dir / 'worker.log'}",
-                          file=sys.stderr, flush=True)
-                else:
-                    on_done(run_dir)
-    except KeyboardInterrupt:
-        for proc, _, _log in running:  # each saves a checkpoint after its current step, then exits 130
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        for proc, _, log in running:
-            proc.wait()
-            log.close()
-        raise
-    return failed
+def check_report_only(base: TrainConfig, grid: Grid, out: Path) -> None:
+    """``--report-only``: ``out`` is a grid's report folder and these options give each started point the
+    config it was trained with (grid_checks); ConfigError otherwise, before anything is written."""
+    check_report_folder(out)
+    points = grid.points()
+    configs = one_precision([point_config(base, grid, p, out / "runs" / p.name) for p in points], quiet=True)
+    recorded, wanted = [], []
+    for p, cfg in zip(points, configs, strict=True):
+        try:
+            have = read_point(out / "runs" / p.name / "point.json")
+        except ConfigError:  # not started, or damaged: the report says so for that run
+            continue
+        recorded.append((p.name, have["config"]))
+        wanted.append(cfg)
+    check_trained_with(recorded, wanted)
 
 
 def join_ranks(base: TrainConfig, jobs: int) -> Dist:
@@ -312,6 +260,7 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
     configs = one_precision([point_config(base, grid, p, dirs[p]) for p in points])
     failed_prepare: ConfigError | None = None
     try:  # rank 0 writes the point.json files; the other ranks learn whether it could
+        check_data_sources(configs, [p.name for p in points])  # a missing file: before any run trains
         if d.is_main:
             for p, cfg in zip(points, configs, strict=True):
                 prepare_point(cfg, p, dirs[p])
@@ -328,46 +277,35 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
             on_progress(records())
 
     failed: list[tuple[Path, int]] = []
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         if jobs == 1:
             for i, run_dir in enumerate(todo, 1):
                 say(f"[grid] {i}/{len(todo)} {run_dir.name}")
-                status = train_point(run_dir)
+                status = _train_here(run_dir, d.is_main)
                 if status == "interrupted":
                     raise KeyboardInterrupt  # stop the whole grid; re-running it continues where it stopped
                 if status == "done":
                     progress(run_dir)
         else:
-            failed = _run_parallel(todo, jobs, progress)
+            failed = run_parallel(todo, jobs, progress)
     if failed:
         print(f"[grid] {len(failed)} run(s) failed and are left out of the verdicts: "
               + ", ".join(p.name for p, _ in failed), file=sys.stderr, flush=True)
     return records()
 
 
-def _worker_main(argv: list[str]) -> int:
-    import argparse
-
-    import torch
-
-    ap = argparse.ArgumentParser(prog="python -m hybridnorm.experiments.grid", description="train one grid point")
-    ap.add_argument("run_dir")
-    ap.add_argument("--threads", type=int, default=0)
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def _train_here(run_dir: Path, is_main: bool) -> str:
+    """:func:`train_point` in this process; a point that fails on bad input is marked failed (its report
+    row says why) before the error stops the grid."""
+    if is_main:
+        clear_failure(run_dir)
     try:
-        return {"done": 0, "interrupted": EXIT_INTERRUPTED, "paused": EXIT_PAUSED}[train_point(Path(args.run_dir))]
-    except (ConfigError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # the log is for the person debugging the grid: the traceback, then one line
-        import traceback
-
-        traceback.print_exc()
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return train_point(run_dir)
+    except ConfigError as e:
+        if is_main:
+            record_failure(run_dir, 2, " ".join(str(e).split()))
+        raise
 
 
 if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1:]))
+    sys.exit(worker_main(sys.argv[1:]))

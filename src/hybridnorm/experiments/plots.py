@@ -56,7 +56,8 @@ def loss_curves(runs: Sequence[RunRecord], path: Path, title: str = "training lo
                 ax.axvline(r.diverged_at, color=line.get_color(), linestyle=":", linewidth=1)
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7 if len(series) > 6 else 10)
+    if series:  # a grid whose runs all diverged before their first train record has no curve to label
+        ax.legend(fontsize=7 if len(series) > 6 else 10)
     return _save(fig, path, series)
 
 

@@ -2,7 +2,9 @@
 
 Measurement first: every run with its verdict and numbers, then per-group statistics over seeds (mean ±
 std, the per-seed values, and the paired-by-seed difference to the baseline placement with a 95% t
-interval). What differs between the runs compared is derived from their configs, not assumed, and said.
+interval). What differs between the runs compared is derived from their configs and from what each run
+logged it did (:mod:`.differences`), not assumed, and said; runs alike in config and knobs that trained
+other tokens per step or data are kept in groups of their own.
 """
 
 from __future__ import annotations
@@ -11,103 +13,30 @@ import json
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hybridnorm import placements as registry
-from hybridnorm.config_base import flatten_config
-from hybridnorm.errors import ConfigError
 from hybridnorm.experiments import plots, verdict
+from hybridnorm.experiments.differences import (
+    describe_setup,
+    differences,
+    partly_recorded_fields,
+    ran_apart,
+    varying_fields,
+)
 from hybridnorm.experiments.runs import RunRecord, set_peer_gains
 from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
-from hybridnorm.train.optim import OptimConfig, unreached_peak
-from hybridnorm.train.provenance import describe as describe_code
-from hybridnorm.train.provenance import describe_hardware
-
-# Config fields that name the run rather than change it.
-BOOKKEEPING = {"out_dir", "seed", "model.placement", "data.cache_dir"}
-
-
-def _bigram_note(done: list[RunRecord]) -> str:
-    """The Kneser-Ney bigram reference of the runs' data, where their meta records have it (runs trained
-    before 2026-11-28 do not) and all agree: a one-token-context model, for scale (no verdict uses it)."""
-    values = {r.meta.get("bigram_entropy") for r in done}
-    if len(values) != 1 or not isinstance(b := values.pop(), (int, float)) or not math.isfinite(b):
-        return ""
-    return f"; bigram reference (Kneser-Ney, counted on the training split) {b:.3f} nats"
-
-
-def _short_warmup(config: dict[str, Any]) -> str:
-    """`` (the whole run: lr peaks at X)`` when the warmup is longer than the run, else ``""``: the lr in
-    the setup line is then never reached, and a reader comparing with another report should know."""
-    steps, o = config.get("max_steps") or 0, config.get("optim") or {}
-    try:
-        cfg = OptimConfig.from_dict(o)
-    except ConfigError:  # a config written by other code: say nothing rather than guess
-        return ""
-    if (peak := unreached_peak(cfg, steps)) is None:
-        return ""
-    return f" (the whole run: lr peaks at {peak:.3g}, never at {cfg.lr:g})"
 
 
 def group_key(r: RunRecord) -> tuple:
-    return (r.placement, r.init, tuple(sorted(r.knobs.items())))
+    return (r.placement, r.init, tuple(sorted(r.knobs.items())), r.ran_note)
 
 
 def group_label(r: RunRecord, show_init: bool) -> str:
     parts = [r.placement] + ([f"init={r.init}"] if show_init else []) + [f"{k}={v}" for k, v in r.knobs.items()]
-    return " ".join(parts)
-
-
-def _flat_configs(runs: Sequence[RunRecord]) -> list[dict[str, str]]:
-    """Each run's config as {dotted field: its value as JSON} (runs without a config left out)."""
-    return [{k: json.dumps(v, sort_keys=True) for k, v in flatten_config(r.config).items()} for r in runs if r.config]
-
-
-def varying_fields(runs: Sequence[RunRecord]) -> list[str]:
-    """Config fields that every run's config records and that have more than one value across the runs
-    (bookkeeping fields left out), plus ``init`` when the resolved init schemes differ."""
-    flats = _flat_configs(runs)
-    common = set.intersection(*(set(f) for f in flats)) if flats else set()
-    fields = {k for k in common if len({f[k] for f in flats}) > 1} - BOOKKEEPING - {"model.init"}
-    if len({r.resolved_init for r in runs}) > 1:
-        fields.add("init")
-    return sorted(fields)
-
-
-def _recorded(runs: Sequence[RunRecord], field: str) -> set[str]:
-    """The distinct recorded values of a ``meta`` provenance field (runs that did not record it left out:
-    an unknown value is not a known difference)."""
-    return {json.dumps(r.meta[field], sort_keys=True) for r in runs if r.meta.get(field) is not None}
-
-
-def differences(runs: Sequence[RunRecord]) -> list[str]:
-    """Everything that differs across the runs, in the order a reader checks it: the placement, the init
-    scheme really used, the config fields (knobs included), the seed, and the code and hardware recorded
-    in the runs' ``meta``. A field with one value across the runs is not named."""
-    out = ["placement"] if len({r.placement for r in runs}) > 1 else []
-    out += [f for f in varying_fields(runs) if f == "init"]
-    out += [f for f in varying_fields(runs) if f != "init"]
-    out += ["seed"] if len({r.seed for r in runs}) > 1 else []
-    out += [f for f in ("code", "hardware") if len(_recorded(runs, f)) > 1]
-    return out
-
-
-def partly_recorded_fields(runs: Sequence[RunRecord]) -> list[str]:
-    """Config fields that some runs' configs record and others do not: fields added to the config after
-    those others' configs were written (they ran with the default of the code that trained them)."""
-    keys = [set(f) for f in _flat_configs(runs)]
-    return sorted(set.union(*keys) - set.intersection(*keys) - BOOKKEEPING) if keys else []
-
-
-def provenance_line(runs: Sequence[RunRecord], field: str, describe: Callable[[Any], str]) -> str:
-    """Which code made the runs, or which hardware ran them (``field`` of the trainer's ``meta`` record, each
-    value as ``describe`` words it), with its number of runs, most frequent first."""
-    counts: dict[str, int] = defaultdict(int)
-    for r in runs:
-        counts[describe(r.meta.get(field))] += 1
-    return "; ".join(f"{v} ({n} run{'s' * (n != 1)})" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return " ".join(parts + ([r.ran_note] if r.ran_note else []))
 
 
 def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = None, command: str | None = None,
@@ -115,7 +44,9 @@ def write_report(runs: Sequence[RunRecord], out: Path, baseline: str | None = No
     out.mkdir(parents=True, exist_ok=True)
     set_peer_gains(list(runs))  # verdicts judged beside the runs of the same budget
     show_init = len({r.init for r in runs}) > 1
+    apart = ran_apart([r for r in runs if r.done])
     for r in runs:
+        r.ran_note = apart.get(r.path.name, "")
         r.label = group_label(r, show_init)
     done = [r for r in runs if r.done]
     baseline = baseline or (runs[0].placement if runs else None)
@@ -145,9 +76,9 @@ def _group_stats(done: Sequence[RunRecord], baseline: str | None) -> list[dict[s
     for r in done:
         by_group[group_key(r)].append(r)
     out = []
-    for (placement, init, knobs), group in by_group.items():
+    for (placement, init, knobs, ran_note), group in by_group.items():
         val = {r.seed: r.final_val_loss for r in group}
-        base = by_group.get((baseline, init, knobs), [])
+        base = by_group.get((baseline, init, knobs, ran_note), [])
         diff = paired_difference(val, {r.seed: r.final_val_loss for r in base}) \
             if base and placement != baseline else None
         out.append({"placement": placement, "init": init, "knobs": dict(knobs), "label": group[0].label,
@@ -173,7 +104,7 @@ def _knob_points(done: Sequence[RunRecord], key: str) -> dict[str, list[plots.Kn
     cells: dict[str, dict[float, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
     for r in done:
         rest = " ".join([r.placement] + [f"init={r.init}"] * (len({x.init for x in done}) > 1)
-                        + [f"{k}={v}" for k, v in r.knobs.items() if k != key])
+                        + [f"{k}={v}" for k, v in r.knobs.items() if k != key] + [r.ran_note] * bool(r.ran_note))
         cells[rest][float(r.knobs[key])].append(r)
     points = {}
     for name, by_value in cells.items():
@@ -195,35 +126,12 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
     if command:
         lines += ["```", command, "```", ""]
     if len(done) < len(runs):
-        lines += [f"**Partial: {len(done)} of {len(runs)} runs finished**; re-run the command to continue.", ""]
+        failed = sum(r.failed is not None for r in runs)
+        lines += [f"**Partial: {len(done)} of {len(runs)} runs finished**"
+                  + (f"; **{failed} failed** (their error is in the last column: fix it, then" if failed else "; ")
+                  + (" re-run the command to retry them)" if failed else "re-run the command to continue") + ".", ""]
     if done:
-        c = done[0].config
-        m, o = c.get("model", {}), c.get("optim", {})
-        r0 = done[0].to_record()
-        tokens = c.get("batch_size", 0) * c.get("grad_accum", 1) * c.get("seq_len", 0)
-        lines += [f"Setup shared by every run unless listed below: d={m.get('d_model')}, {m.get('n_layers')} layers, "
-                  f"{m.get('n_heads')} heads ({m.get('n_kv_heads')} KV), FFN {m.get('ffn_hidden_size')}; "
-                  f"{c.get('max_steps')} steps × {tokens:,} tokens; lr {o.get('lr')}, "
-                  f"warmup {o.get('warmup_steps')} steps{_short_warmup(c)}, clip {o.get('grad_clip')}, "
-                  f"wd {o.get('weight_decay')}; {c.get('precision')}; data {c.get('data', {}).get('source')}; "
-                  f"validation on {r0['val_tokens'] or 0:,} tokens; unigram baseline "
-                  f"{(r0['unigram_entropy'] or math.nan):.3f} nats{_bigram_note(done)}.", ""]
-        varying, partly = fields["varying"], fields["partly_recorded"]
-        lines += ["**What differs between runs:** " + (", ".join(f"`{f}`" for f in fields["differs"])
-                                                       or "nothing (one configuration, one seed)")
-                  + ". Each Δ below pairs a placement with the baseline "
-                  + f"`{baseline}` at the same init axis value, knob values and seed.", ""]
-        if partly:
-            lines += ["Recorded in only some runs' configs (fields added to the config after the other runs' "
-                      "configs were written; those runs ran with the default of the code that trained them, see "
-                      "the code line): "
-                      + ", ".join(f"`{f}`" for f in partly) + ".", ""]
-        lines += [f"Code that made the runs: {provenance_line(done, 'code', describe_code)}.", "",
-                  f"Hardware that ran them: {provenance_line(done, 'hardware', describe_hardware)}.", ""]
-        if "init" in varying and any(r.init == "paper" for r in done):
-            lines += ["**Init is confounded with placement** where the init axis is `paper`: each placement "
-                      "uses its paper default (listed per row). Compare rows with one init for all to separate "
-                      "the two.", ""]
+        lines += describe_setup(done, fields, baseline)
     lines += ["Verdicts (rules and thresholds: `hybridnorm.experiments.verdict`): **trained**; **stalled** = val "
               f"loss not ≥ {verdict.STALL_MARGIN:g} nats below the unigram baseline, or a gain over it under "
               f"{verdict.PROGRESS_FRACTION:.0%} of the largest gain among this report's runs of the same budget; "
@@ -250,12 +158,14 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
     for r in runs:
         rec = r.to_record()
         knobs = ", ".join(f"{k}={v}" for k, v in r.knobs.items()) or "—"
-        status = rec["verdict"] if r.done else "*unreadable*" if r.problem else "*unfinished*"
-        why = rec["verdict_reason"] if r.done else (r.problem or "").replace("|", "/")
+        status = (rec["verdict"] if r.done else "*failed*" if r.failed else "*unreadable*" if r.problem
+                  else "*unfinished*")
+        why = str(rec["verdict_reason"]).replace("|", "/").replace("\n", " ")
         lines.append(f"| {r.path.name} | `{r.placement}` | {rec['init']} | {knobs} | {r.seed} | {status} | "
-                     f"{_f(rec['final_val_loss'])} | {_f(rec['final_train_loss'])} | {rec['tokens_seen'] or 0:,} | "
-                     f"{why} |")
-    lines += ["", "Machine-readable: `runs.json` (one record per run, and the group statistics).", ""]
+                     f"{_loss(rec, 'val')} | {_loss(rec, 'train')} | {rec['tokens_seen'] or 0:,} | {why} |")
+    lines += ["", "A loss not at the run's last step (unfinished, or the last logged before it diverged) is shown "
+              "with its step; `tokens`: what the model was trained on. Machine-readable: `runs.json` (one record "
+              "per run, and the group statistics).", ""]
     if done:
         lines += ["![loss curves](loss_curves.png)", "", "![gradient norm by depth](grad_norm_by_depth.png)", "",
                   "![activation RMS by depth](activation_rms_by_depth.png)", ""]
@@ -267,15 +177,20 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
     return "\n".join(lines)
 
 
-def _f(x: float | None) -> str:
-    return f"{x:.4f}" if x is not None else "—"
+def _loss(rec: dict[str, Any], kind: str) -> str:
+    """The final loss, or the last one logged with its step (the row's verdict or reason says why)."""
+    final, last, step = rec[f"final_{kind}_loss"], rec[f"last_{kind}_loss"], rec[f"last_{kind}_step"]
+    if final is not None:
+        return f"{final:.4f}"
+    return f"{last:.4f} (step {step})" if last is not None else "—"
 
 
 def _largest_trained(done: Sequence[RunRecord], key: str) -> list[str]:
     """Per group of the other factors: the largest ``key`` value at which every seed trained."""
     cells: dict[str, dict[Any, list[str]]] = defaultdict(lambda: defaultdict(list))
     for r in done:
-        rest = " ".join([r.placement, f"init={r.init}"] + [f"{k}={v}" for k, v in r.knobs.items() if k != key])
+        rest = " ".join([r.placement, f"init={r.init}"] + [f"{k}={v}" for k, v in r.knobs.items() if k != key]
+                        + [r.ran_note] * bool(r.ran_note))
         cells[rest][r.knobs[key]].append(r.verdict.verdict)
     lines = [f"## Largest `{key}` that trained (every seed `trained`)", "", f"| group | largest `{key}` | "
              "verdicts per value |", "|---|---|---|"]

@@ -2,9 +2,11 @@
 and its one machine-readable record.
 
 A grid run folder holds ``point.json`` (the grid point and the full train config it was trained with),
-``done.json`` once training has ended (finished or stopped by the non-finite guard), and everything the
-trainer writes (``metrics.jsonl`` with its ``meta``/``train``/``eval``/``diag``/``event`` records,
-``divergence.json``, checkpoints).
+``done.json`` once training has ended (finished or stopped by the non-finite guard), ``failed.json`` when its
+worker failed (the error; removed when the point is tried again), and everything the trainer writes
+(``metrics.jsonl`` with its ``meta``/``train``/``eval``/``diag``/``event`` records, one ``meta`` per session,
+``divergence.json``, checkpoints). What the run actually did (tokens per step, data, code per session) is
+read by :mod:`.as_run`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from hybridnorm import plain_data
 from hybridnorm.config_text import read_file
 from hybridnorm.errors import ConfigError
+from hybridnorm.experiments import as_run
 from hybridnorm.experiments.verdict import Verdict, collapse_signals, judge
 from hybridnorm.placements import registry
 from hybridnorm.train.config import TrainConfig
@@ -34,14 +37,17 @@ class RunRecord:
     knobs: dict[str, Any] = field(default_factory=dict)         # dotted config key -> value of this point
     config: dict[str, Any] = field(default_factory=dict)        # the full train config (point.json)
     done: bool = False                                          # training ended (finished or diverged)
-    meta: dict[str, Any] = field(default_factory=dict)          # the trainer's "meta" record
+    meta: dict[str, Any] = field(default_factory=dict)          # the trainer's last "meta" record
+    metas: list[dict[str, Any]] = field(default_factory=list)   # every session's, in order (a resume adds one)
     train: list[dict[str, Any]] = field(default_factory=list)   # kind "train", in step order
     eval: list[dict[str, Any]] = field(default_factory=list)    # kind "eval"
     diag: list[dict[str, Any]] = field(default_factory=list)    # kind "diag"
     events: list[dict[str, Any]] = field(default_factory=list)  # spikes and other events
     divergence: dict[str, Any] | None = None
     label: str = ""                                             # the report's name for the run's group
+    ran_note: str = ""                                          # the report's [bracket]: ran apart from its cell
     problem: str | None = None                                  # why its files could not be read (see unreadable)
+    failed: str | None = None                                   # its worker's error (failed.json), if it failed
     best_gain: float | None = None                              # peers' largest gain over unigram (set_peer_gains)
 
     @property
@@ -54,13 +60,21 @@ class RunRecord:
             return int(self.divergence.get("step", -1))
         return next((r["step"] for r in self.train if not math.isfinite(r.get("loss", 0.0))), None)
 
+    def _at_end(self, records: list[dict[str, Any]]) -> bool:
+        """The last of ``records`` is at the run's last step (max_steps, where the config records it)."""
+        end = self.config.get("max_steps")
+        return bool(records) and not self.diverged and (not isinstance(end, int) or records[-1]["step"] == end)
+
     @property
     def final_loss(self) -> float:
-        return self.train[-1]["loss"] if self.train and not self.diverged else math.nan
+        """The train loss at max_steps (NaN: diverged, or not there yet)."""
+        return self.train[-1]["loss"] if self._at_end(self.train) else math.nan
 
     @property
     def final_val_loss(self) -> float:
-        return self.eval[-1]["val_loss"] if self.eval and not self.diverged else math.nan
+        """The val loss at max_steps (NaN: diverged, or not there yet); :meth:`to_record` also keeps the
+        last one logged, with its step."""
+        return self.eval[-1]["val_loss"] if self._at_end(self.eval) else math.nan
 
     @property
     def last_step(self) -> int:
@@ -91,16 +105,14 @@ class RunRecord:
 
     @property
     def budget(self) -> tuple:
-        """What makes two runs' losses comparable: steps, tokens per step and data."""
-        c = self.config
-        return (c.get("max_steps"), c.get("batch_size", 0) * c.get("grad_accum", 1) * c.get("seq_len", 0),
-                (c.get("data") or {}).get("source"))
+        """What makes two runs' losses comparable (:func:`.as_run.budget`): steps, tokens per step as
+        trained, the data read and the tokenizer."""
+        return as_run.budget(self)
 
     @property
     def unigram_gain(self) -> float | None:
         """Nats by which the final val loss is below the unigram baseline (None: either is missing)."""
-        u = self.meta.get("unigram_entropy")
-        v = self.eval[-1]["val_loss"] if self.eval and not self.diverged else None
+        u, v = self.meta.get("unigram_entropy"), self.final_val_loss
         ok = isinstance(u, (int, float)) and isinstance(v, (int, float)) and math.isfinite(v)
         return u - v if ok else None
 
@@ -123,23 +135,27 @@ class RunRecord:
         # a run still training has no verdict yet (its loss so far would read as stalled): null, and why
         v = self.verdict if self.done else None
         verdict, reason = ((v.verdict, v.reason) if v else
+                           (None, f"failed: {self.failed}") if self.failed else
                            (None, f"unreadable: {self.problem}") if self.problem else
                            (None, f"unfinished: step {self.last_step} of {cfg.get('max_steps', '?')}"))
-        last_eval = self.eval[-1] if self.eval else {}
+        # final_*: at max_steps only; the last logged losses, whatever their step, are kept beside them with it
+        last_eval, last_train = (self.eval[-1] if self.eval else {}), (self.train[-1] if self.train else {})
         return {
             "run": str(self.path.relative_to(root)) if root else str(self.path),
             "placement": self.placement, "init": self.resolved_init, "init_axis": self.init,
             "knobs": self.knobs, "seed": self.seed, "verdict": verdict, "verdict_reason": reason,
-            "done": self.done,
-            "final_train_loss": _num(self.train[-1]["loss"]) if self.train else None,
-            "final_val_loss": _num(last_eval.get("val_loss")), "val_tokens": last_eval.get("val_tokens"),
-            "unigram_entropy": self.meta.get("unigram_entropy"),
-            "tokens_seen": self.train[-1].get("tokens") if self.train else 0, "steps": self.last_step,
+            "done": self.done, "failed": self.failed is not None,
+            "final_train_loss": _num(self.final_loss), "final_val_loss": _num(self.final_val_loss),
+            "last_train_loss": _num(last_train.get("loss")), "last_train_step": last_train.get("step"),
+            "last_val_loss": _num(last_eval.get("val_loss")), "last_val_step": last_eval.get("step"),
+            "val_tokens": as_run.val_tokens(self), "tokens_per_step": as_run.tokens_per_step(self),
+            "unigram_entropy": self.meta.get("unigram_entropy"), "data": (as_run.data_keys(self) or [None])[-1],
+            "tokens_seen": as_run.tokens_seen(self), "steps": self.last_step,
             "max_steps": cfg.get("max_steps"), "lr": optim.get("lr"), "warmup_steps": optim.get("warmup_steps"),
             "grad_clip": optim.get("grad_clip"), "n_layers": self.n_layers, "d_model": model.get("d_model"),
             "params": self.meta.get("params"), "precision": cfg.get("precision"),
             "diverged_at": self.diverged_at, "code": self.meta.get("code"),  # None: made before it was logged
-            "hardware": self.meta.get("hardware"),
+            "hardware": self.meta.get("hardware"), "sessions": as_run.sessions(self),
             **{k: _num(x) for k, x in collapse_signals(self.diag[-1] if self.diag else None, self.n_layers).items()},
         }
 
@@ -245,7 +261,7 @@ _META_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: isi
                 "precision": lambda x: isinstance(x, str), "params": _is_number, "unigram_entropy": _is_number,
                 "bigram_entropy": lambda x: x is None or _is_number(x),
                 "train_tokens_available": _is_number, "val_tokens_available": _is_number, "code": _is_code,
-                "hardware": _is_hardware}
+                "hardware": _is_hardware, "tokens_per_step": _is_number}
 
 
 def _number_or_none(x: Any) -> bool:
@@ -300,8 +316,9 @@ def read_run(path: str | Path, placement: str | None = None, seed: int | None = 
     if metrics.is_file():
         for r in _metric_records(metrics):
             kind = r["kind"]
-            if kind == "meta":
+            if kind == "meta":  # one per session; the last describes the data the final eval scored
                 rec.meta = r
+                rec.metas.append(r)
             else:
                 {"train": rec.train, "eval": rec.eval, "diag": rec.diag}.get(kind, rec.events).append(r)
     div = path / "divergence.json"
@@ -311,7 +328,25 @@ def read_run(path: str | Path, placement: str | None = None, seed: int | None = 
         state = "holds no training record" if metrics.is_file() else "is missing"
         raise ConfigError(f"metrics file {metrics} {state}, yet the run is marked finished (done.json): its log "
                           "was lost or cut short, so it cannot be judged; delete the run folder to retrain it")
+    end = rec.config.get("max_steps")
+    if rec.done and not rec.diverged and isinstance(end, int) and (not rec.eval or rec.eval[-1]["step"] != end):
+        # the trainer evaluates at max_steps; without that record an earlier loss would be judged as final
+        last = f"its last eval is at step {rec.eval[-1]['step']}" if rec.eval else "it holds no eval record"
+        raise ConfigError(f"metrics file {metrics}: {last}, yet the run is marked finished at step {end} "
+                          "(done.json): its log was cut short, so its final loss is unknown and it is not judged; "
+                          "delete the run folder to retrain it")
+    if not rec.done:
+        rec.failed = _failure(path)
     return rec
+
+
+def _failure(path: Path) -> str | None:
+    """The error of a point whose worker failed (``failed.json``; trying the point again removes it)."""
+    failed = path / "failed.json"
+    if not failed.is_file():
+        return None
+    why = read_file(failed, "grid failure record").get("error")
+    return str(why) if why else f"see {failed}"
 
 
 def read_run_or_unreadable(path: Path, placement: str, seed: int, init: str, knobs: dict[str, Any]) -> RunRecord:
@@ -320,7 +355,11 @@ def read_run_or_unreadable(path: Path, placement: str, seed: int, init: str, kno
     try:
         return read_run(path, placement, seed, init, knobs)
     except ConfigError as e:
-        return RunRecord(Path(path), placement, seed, init=init, knobs=dict(knobs), problem=str(e))
+        try:  # a failed worker may leave its folder unreadable too: the failure is what the report says
+            failed = _failure(Path(path))
+        except ConfigError:
+            failed = None
+        return RunRecord(Path(path), placement, seed, init=init, knobs=dict(knobs), problem=str(e), failed=failed)
 
 
 def slug(name: str) -> str:

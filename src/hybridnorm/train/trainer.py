@@ -34,6 +34,7 @@ import torch
 from hybridnorm.data import PreparedData, TokenBatches
 from hybridnorm.data.tokenizer import stop_token_ids
 from hybridnorm.diagnostics import Diagnostics, SpikeDetector, divergence_report
+from hybridnorm.diagnostics.guards import has_nonfinite_weight
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.attention import set_attention_backend
 from hybridnorm.nn.kernels.float8 import convert_to_float8, float8_unsupported
@@ -98,8 +99,10 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
     log.message(f"MFU against {peak / 1e12:,.3g} TFLOP/s ({peak_source})")
     # what a reader of metrics.jsonl needs to judge the run without the data: the baseline a model that
     # ignores context reaches (the unigram cross-entropy of val), a bigram's, and what was actually built
+    # and trained (tokens per step over every process: cfg holds the resolved global batch here)
     log.log(step, {"placement": cfg.model.resolved_placement().name, "init": cfg.model.resolved_init(),
                    "precision": cfg.precision, "params": model.num_params(),
+                   "tokens_per_step": cfg.global_batch * cfg.seq_len,
                    "unigram_entropy": data.stats.unigram_entropy, "bigram_entropy": data.stats.bigram_entropy,
                    "train_tokens_available": train_n, "val_tokens_available": val_n,
                    "code": code_versions(), "hardware": ran_on,
@@ -262,7 +265,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     def collects(n: int) -> bool:  # a diagnostics step, decided alike on every rank (diag runs on rank 0)
         return cfg.diagnostics.enabled and (n == 1 or n % cfg.diagnostics.every == 0)
 
-    def stop_on_nonfinite(rec: StepRecord, n: int) -> None:
+    def stop_on_nonfinite(rec: StepRecord, n: int, what: str = "loss or gradient") -> None:
         """Write divergence.json for the non-finite step ``rec`` (found while taking step ``n``); the run stops
         with the state before it, its last checkpoint intact."""
         if pending.deferred:  # every update from rec.step on was skipped on the device: redo its gradients
@@ -277,7 +280,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
             batches=rec.grads.micro_batches, loss_fn=loss_of, recent_losses=spikes.state_dict()["loss"],
             last_diagnostics=diag.last if rec.step == n else earlier,
             last_checkpoint=str(latest_checkpoint(run_dir / "checkpoints")))
-        _report_divergence(run_dir, report, d, log)
+        _report_divergence(run_dir, report, d, log, what)
         result.diverged = True
         state.tokens -= (state.step - rec.step + 1) * global_tokens  # deferred: steps past it did not count
         state.step = rec.step - 1
@@ -296,6 +299,14 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
                 log.log(rec.step, {"event": "spike", **spike.to_dict(), "skipped": rec.skip}, "event")
             result.train_loss = rec.loss
         return False
+
+    def weights_nonfinite(rec: StepRecord, n: int) -> bool:
+        """Before a save: step n's update left a weight non-finite though its loss and gradient were finite (a
+        learning rate far too large). Stop as diverged, as at a non-finite loss: that state is never saved."""
+        if all_reduce_max(torch.tensor(float(has_nonfinite_weight(model))), d).item() == 0:
+            return False
+        stop_on_nonfinite(rec, n, "weights after the update")
+        return True
 
     result = TrainResult(run_dir, state.step, float("nan"), None, data.stats.unigram_entropy,
                          bigram_entropy=data.stats.bigram_entropy)
@@ -348,7 +359,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
             stop_now = all_reduce_max(torch.tensor(float(stop.signal is not None or out_of_time or out_of_steps)),
                                       d).item() > 0
             save_now = state.step % cfg.ckpt_interval == 0 or state.step == cfg.max_steps or stop_now
-            if save_now and read_back(n):  # never a checkpoint of a state past a non-finite step
+            if save_now and (read_back(n) or weights_nonfinite(rec, n)):  # never a checkpoint of a non-finite state
                 break
             if save_now:
                 save()
@@ -371,11 +382,13 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     return result
 
 
-def _report_divergence(run_dir: Path, report: dict, d: Dist, log: MetricsLogger) -> None:
+def _report_divergence(run_dir: Path, report: dict, d: Dist, log: MetricsLogger, what: str) -> None:
     """Write ``divergence.json`` (see :func:`hybridnorm.diagnostics.divergence_report`) and say so."""
     if d.is_main:
         (run_dir / "divergence.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    log.message(f"[red]non-finite loss or gradient at step {report['step']} (loss {report['loss']}, grad norm "
+    log.message(f"[red]non-finite {what} at step {report['step']} (loss {report['loss']}, grad norm "
                 f"{report['grad_norm']}, first non-finite: {report['first_nonfinite']}, found by "
-                f"{report['first_nonfinite_from']}); stopped without stepping — the last checkpoint is intact. "
+                f"{report['first_nonfinite_from']}); stopped "
+                f"{'without stepping' if what == 'loss or gradient' else 'without saving that state'} — the last "
+                "checkpoint is intact. "
                 f"Report: {run_dir / 'divergence.json'}")

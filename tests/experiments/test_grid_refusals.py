@@ -1,0 +1,106 @@
+"""What a grid refuses, with one ConfigError naming the cause and nothing written, before it trains or
+reports (``hybridnorm.experiments.grid_checks``): two names of one placement (once trained twice and
+reported as two placements), a data source that is not there (once a worker's failure half-way through the
+grid, reported as 'unfinished'), and ``--report-only`` where the report would describe the runs falsely: a
+folder that is not a grid's report folder (it once wrote a summary.md of 'unfinished' runs into any folder
+and exited 0), or options that contradict what the runs were trained with (the report's command block once
+showed those options)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridnorm import cli
+from hybridnorm.errors import ConfigError
+from hybridnorm.experiments.grid import Grid, run_grid
+
+
+def _argv(out: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
+    return ["compare", "--placements", "pre", "--size", "tiny", "--max-steps", "2", "--batch_size=2", "--seq_len=32",
+            "--eval_batches=1", "--data.tokenizer=bytes", f"--data.cache_dir={cache}", f"--data.source={corpus}",
+            "--device=cpu", "--out", str(out), *extra]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _one_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory: pytest.TempPathFactory, corpus: Path, cache_dir: Path) -> Path:
+    """A finished one-run grid (2 steps, lr 2e-3 from --size tiny's defaults)."""
+    import hybridnorm.train.trainer as trainer
+
+    out = tmp_path_factory.mktemp("grid") / "cmp"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
+        assert cli.main(_argv(out, corpus, cache_dir)) == 0
+    return out
+
+
+def test_options_the_runs_were_not_trained_with_are_refused(grid, corpus, cache_dir, capsys):
+    before = _snapshot(grid)
+    argv = _argv(grid, corpus, cache_dir, "--optim.lr=0.1", "--report-only")
+    argv[argv.index("--max-steps") + 1] = "500"
+    assert cli.main(argv) == 2
+    line = _one_error(capsys)
+    assert "run pre-init=megatron-seed0 was trained with max_steps=2 (given: 500)" in line
+    assert "optim.lr=0.002 (given: 0.1)" in line and "nothing was written" in line
+    assert _snapshot(grid) == before
+
+
+def test_the_training_command_is_the_reports_command(grid, corpus, cache_dir, capsys):
+    argv = _argv(grid, corpus, cache_dir, "--report-only")
+    assert cli.main(argv) == 0
+    text = (grid / "summary.md").read_text()
+    assert text.splitlines()[3] == "hybridnorm " + " ".join(_argv(grid, corpus, cache_dir))
+    # a pause option is not what trained the runs: it may differ
+    assert cli.main([*argv, "--stop_after_steps=1"]) == 0
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "run", "other"])
+def test_a_folder_that_is_not_a_grids_report_folder_is_refused(tmp_path, tiny_run, corpus, cache_dir, capsys, kind):
+    folder = {"missing": tmp_path / "none", "empty": tmp_path / "empty", "run": tiny_run,
+              "other": tmp_path / "other"}[kind]
+    if kind == "empty":
+        folder.mkdir()
+    if kind == "other":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+    before = _snapshot(folder) if folder.exists() else None
+    assert cli.main(_argv(folder, corpus, cache_dir, "--report-only")) == 2
+    line = _one_error(capsys)
+    assert f"--report-only --out {folder}: the folder" in line and "not a compare/sweep report folder" in line
+    assert (_snapshot(folder) if folder.exists() else None) == before
+    assert kind != "run" or "is a training run's folder" in line
+
+
+@pytest.mark.parametrize(("names", "first", "second", "resolved"), [
+    (["hybridnorm", "QKV-Post"], "hybridnorm", "QKV-Post", "hybridnorm"), (["pre", "pre_ln"], "pre", "pre_ln", "pre"),
+    (["pre", "Pre"], "pre", "Pre", "pre"), (["pre", "post", "PRE"], "pre", "PRE", "pre"),
+    (["Pre-Pre", "pre"], "Pre-Pre", "pre", "Pre-Pre = pre"), (["pre_qk_pre", "Pre-QK-Pre"], "pre_qk_pre", "Pre-QK-Pre",
+                                                             "qk_norm"),
+])
+def test_two_names_of_one_placement_are_refused(names, first, second, resolved):
+    """Each would train the same model; the report would count one placement twice."""
+    with pytest.raises(ConfigError, match=f"lists {first!r} and {second!r}, two names of one placement "
+                                          f"\\({resolved}\\)"):
+        Grid(names).validate()
+
+
+def test_placements_that_build_different_models_are_accepted():
+    assert Grid(["pre", "post", "hybridnorm", "hybridnorm_star", "Pre-QKV-Post", "post_shifted"]).validate()
+
+
+def test_a_missing_data_source_is_refused_before_any_run_trains(make_cfg, tmp_path, corpus):
+    grid = Grid(["pre"], ["megatron"], [("data.source", [str(corpus), str(tmp_path / "none.txt")])], [0])
+    with pytest.raises(ConfigError, match=r"none.txt does not exist .*\(grid point pre-init=megatron-data.source="):
+        run_grid(make_cfg(tmp_path / "u", "--max_steps=2"), grid, tmp_path / "g", jobs=2)
+    assert not (tmp_path / "g").exists()

@@ -1,0 +1,26 @@
+"""A learning rate so large that one update leaves the weights non-finite while its loss and gradient were
+finite: the run stops as diverged before it saves that state (before 2026-12-02 it saved the checkpoint, whose
+weights every later load refused, and a run whose last step did so exited 0 with val loss nan)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from train_helpers import cli_in_process, read_metrics, tiny_overrides
+
+from hybridnorm.train.checkpoint import list_checkpoints
+
+
+def test_an_update_that_makes_the_weights_nonfinite_is_diverged_and_never_saved(tmp_path: Path, corpus: Path,
+                                                                                cache_dir: Path) -> None:
+    run = tmp_path / "run"
+    r = cli_in_process("train", *tiny_overrides(corpus, cache_dir, run), "--max_steps=3", "--ckpt_interval=1",
+                       "--optim.lr=1e300", "--optim.grad_clip=0", "--optim.warmup_steps=0", ok=False)
+    assert r.returncode == 3, r.stderr  # EXIT_DIVERGED
+    first = read_metrics(run)[0]
+    assert first["step"] == 1 and first["grad_norm"] < float("inf")  # the step itself was finite
+    report = json.loads((run / "divergence.json").read_text(encoding="utf-8"))
+    assert report["step"] == 1 and report["first_nonfinite_param"] is not None
+    assert "non-finite weights after the update at step 1" in r.stdout + r.stderr
+    assert list_checkpoints(run / "checkpoints") == []  # no checkpoint of the poisoned state
