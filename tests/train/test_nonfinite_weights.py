@@ -1,6 +1,7 @@
-"""A learning rate so large that one update leaves the weights non-finite while its loss and gradient were
-finite: the run stops as diverged before it saves that state (before 2026-12-02 it saved the checkpoint, whose
-weights every later load refused, and a run whose last step did so exited 0 with val loss nan)."""
+"""The end of a step. A learning rate so large that one update leaves the weights non-finite while its loss and
+gradient were finite: the run stops as diverged before it saves that state (before 2026-12-02 it saved the
+checkpoint, whose weights every later load refused, and a run whose last step did so exited 0 with val loss
+nan). A time limit reached at the last step: one final eval."""
 
 from __future__ import annotations
 
@@ -24,3 +25,12 @@ def test_an_update_that_makes_the_weights_nonfinite_is_diverged_and_never_saved(
     assert report["step"] == 1 and report["first_nonfinite_param"] is not None
     assert "non-finite weights after the update at step 1" in r.stdout + r.stderr
     assert list_checkpoints(run / "checkpoints") == []  # no checkpoint of the poisoned state
+
+
+def test_a_time_limit_reached_at_the_last_step_evaluates_once(tmp_path: Path, corpus: Path, cache_dir: Path) -> None:
+    """The last step is an eval step whatever eval_interval says; a time limit reached there added a second,
+    identical eval record before 2026-12-02."""
+    run = tmp_path / "run"
+    cli_in_process("train", *tiny_overrides(corpus, cache_dir, run), "--max_steps=1", "--eval_interval=1000",
+                   "--max_minutes=1e-9")
+    assert [r["step"] for r in read_metrics(run, "eval")] == [1]  # the last step, out of time there too: once

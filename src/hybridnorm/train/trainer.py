@@ -366,7 +366,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
             if stop_now:
                 finish_save()
                 result.interrupted = stop.signal is not None
-                if out_of_time and state.step % cfg.eval_interval:  # report the loss of the model we stop with
+                if out_of_time and not eval_now:  # report the loss of the model we stop with (once: not at max_steps)
                     run_eval()
                 why = " (signal)" if stop.signal else " (time limit)" if out_of_time else " (stop_after_steps)"
                 log.message(f"stopped at step {state.step}{why}"
