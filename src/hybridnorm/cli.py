@@ -17,6 +17,7 @@ from hybridnorm.config_text import parse_text
 from hybridnorm.errors import CollectiveError, ConfigError
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 1, 2, 3, 130
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a Unix tool that SIGPIPE ended (`... | head`)
 
 
 def _config(args: argparse.Namespace, extra: list[str]):  # -> TrainConfig (imported lazily: fast --help)
@@ -221,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     with process_signals():
         try:
             rc = _main(words, command, argv)
+            sys.stdout.flush()  # here, where a reader that went away is caught, not in Python's exit
+        except BrokenPipeError:  # stdout's reader went away (`hybridnorm placements | head -1`): stop quietly
+            _stdout_to_devnull()
+            return EXIT_BROKEN_PIPE
         except KeyboardInterrupt:  # at any moment, while the command starts too (imports, options), as when
             print(_interrupted(command), file=sys.stderr)  # torchrun stops a rank whose peer failed first
             return EXIT_INTERRUPTED
@@ -229,6 +234,15 @@ def main(argv: list[str] | None = None) -> int:
                   "work first; what it wrote is complete", file=sys.stderr)
             return EXIT_INTERRUPTED
         return rc
+
+
+def _stdout_to_devnull() -> None:
+    """What is left in stdout's buffer goes nowhere: Python's exit would otherwise try to write it to the
+    closed pipe and print a second error."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (a test's captured one): nothing to redirect
+        pass
 
 
 def _interrupted(command: str | None) -> str:
@@ -292,6 +306,8 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
         warnings.formatwarning = lambda message, *_a, **_k: f"warning: {message}\n"
     try:
         return args.func(args, extra)
+    except BrokenPipeError:
+        raise  # not bad input: main ends it quietly
     except (ConfigError, OSError, UnicodeDecodeError, ValueError, CollectiveError) as e:  # OSError: a bad path
         if args.debug:
             raise
