@@ -14,6 +14,7 @@ from hypothesis import given
 from test_config_fuzz import FUZZ, values
 
 from hybridnorm.cli import main
+from hybridnorm.errors import ERROR_CHARS
 from hybridnorm.train.config import TrainConfig
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
@@ -144,6 +145,7 @@ def _wordlevel_without_unk(path: Path) -> Path:
     ("a corpus too small to split", ["too small to split", "give a longer data.source"]),
     ("a plan for more memory than it can count", ["--gpu-mem=1e+300", "<="]),
     ("gradprofile into a folder", ["--out", "is a folder", "gradprofile.json"]),  # was: after the profiles
+    ("a path of 100,000 characters", ["File name too long", "characters left out", "aaa'"]),  # was: all of it
 ])
 def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsys, corpus: Path, case: str,
                                                            needles: list[str]) -> None:
@@ -161,8 +163,10 @@ def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsy
             "a corpus too small to split": ["train", *out, f"--data.source={tmp_path / 'small'}"],
             "a plan for more memory than it can count": ["plan", "--size", "1.2b", "--gpu-mem", "1e300"],
             "gradprofile into a folder": ["gradprofile", "--out", str(tmp_path / "small"), "--sizes", "tiny",
-                                          "--placements", "pre", "--seeds", "0", "--seq-len", "16"]}[case]
-    assert "val_fraction" not in assert_refused(argv, capsys, needles, tmp_path)
+                                          "--placements", "pre", "--seeds", "0", "--seq-len", "16"],
+            "a path of 100,000 characters": ["train", *out, f"--data.source={tmp_path / ('a' * 100_000)}"]}[case]
+    line = assert_refused(argv, capsys, needles, tmp_path)
+    assert "val_fraction" not in line and len(line) <= len("error: ") + ERROR_CHARS
     assert not (tmp_path / "out").exists()  # nothing made for a command refused before it starts
 
 

@@ -14,7 +14,7 @@ import warnings
 
 from hybridnorm.cli_parser import build_parser
 from hybridnorm.config_text import parse_text
-from hybridnorm.errors import CollectiveError, ConfigError
+from hybridnorm.errors import CollectiveError, ConfigError, one_line
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 1, 2, 3, 130
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a Unix tool that SIGPIPE ended (`... | head`)
@@ -298,7 +298,7 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
     except ConfigError as e:
         if "--debug" in words:
             raise
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     args.argv = argv
     old_format = warnings.formatwarning
@@ -313,7 +313,7 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
             raise
         lost = isinstance(e, CollectiveError)  # a late or lost rank under torchrun: the input was fine
         hint = "; resume from the newest complete checkpoint with --resume" if lost else ""
-        print(f"error: {' '.join(str(e).split())}{hint}", file=sys.stderr)  # one line, whatever the message
+        print(f"error: {one_line(e)}{hint}", file=sys.stderr)  # one line, whatever the message
         return EXIT_FAILED if lost else EXIT_BAD_INPUT
     finally:
         warnings.formatwarning = old_format

@@ -5,6 +5,18 @@ import argparse
 import re
 import typing
 
+ERROR_CHARS = 1000  # an error line's length at most: a path of 100k characters is not printed whole
+
+
+def one_line(e: BaseException | str) -> str:
+    """An error's text as the one line the commands print: whitespace joined, and a text longer than
+    :data:`ERROR_CHARS` cut in its middle (its start says what failed, its end often the name that matters)."""
+    text = " ".join(str(e).split())
+    if len(text) <= ERROR_CHARS:
+        return text
+    cut = len(text) - ERROR_CHARS
+    return f"{text[:ERROR_CHARS * 2 // 3]} ...({cut:,} characters left out)... {text[-(ERROR_CHARS // 3 - 40):]}"
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the field and the valid choices."""

@@ -32,7 +32,7 @@ from matplotlib.ticker import MaxNLocator
 
 from hybridnorm import plain_data
 from hybridnorm.config import SIZES
-from hybridnorm.errors import ConfigError
+from hybridnorm.errors import ConfigError, one_line
 from hybridnorm.experiments.runs import _metric_records
 from hybridnorm.train.config import TrainConfig
 
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.json.write_text(json.dumps({"profiles": found}, indent=1), encoding="utf-8")
         profiles = load(a.json)
     except (ConfigError, OSError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     if not profiles:
         print(f"no profiles in {a.json}", file=sys.stderr)

@@ -31,7 +31,7 @@ import torch
 from hybridnorm import plain_data
 from hybridnorm.data.tokenizer import atomic_write
 from hybridnorm.diagnostics.groups import group_params
-from hybridnorm.errors import ConfigError, OneLineArgumentParser
+from hybridnorm.errors import ConfigError, OneLineArgumentParser, one_line
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.preflight import check_output_file
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(Path(a.out), a.sizes.split(","), a.placements.split(","), a.inits.split(","), seeds, a.batch_size,
             a.seq_len)
     except (ConfigError, OSError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: every finished profile is saved; run the same command again to continue",

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from hybridnorm.errors import ConfigError
+from hybridnorm.errors import ConfigError, one_line
 from hybridnorm.experiments.runs import read_point
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import current_dist
@@ -144,11 +144,11 @@ def worker_main(argv: list[str]) -> int:
     try:
         return {"done": 0, "interrupted": EXIT_INTERRUPTED, "paused": EXIT_PAUSED}[train_point(Path(args.run_dir))]
     except (ConfigError, OSError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line: the report quotes it
+        print(f"error: {one_line(e)}", file=sys.stderr)  # one line: the report quotes it
         return 2
     except Exception as e:  # the log is for the person debugging the grid: the traceback, then one line
         import traceback
 
         traceback.print_exc()
-        print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
         return 1
