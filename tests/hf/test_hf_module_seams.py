@@ -86,6 +86,21 @@ def test_a_head_given_to_a_tied_model_is_saved_and_loaded_back(tmp_path: Path) -
         torch.testing.assert_close(back(IDS).logits, before, rtol=0, atol=0)
 
 
+def test_init_weights_applied_again_keeps_loaded_weights_and_draws_a_fresh_models_as_llama(tmp_path: Path) -> None:
+    # model.apply(model._init_weights) (what some fine-tuning scripts call to draw a new head) is a no-op on the
+    # weights a from_pretrained loaded, as on Llama; on a model built from its config, it draws new numbers
+    for model in pair(tmp_path, tie=False):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model.apply(model._init_weights)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), (type(model).__name__, k)
+        fresh = type(model)(model.config)
+        drawn = {k: v.clone() for k, v in fresh.state_dict().items()}
+        fresh.apply(fresh._init_weights)
+        changed = [k for k, v in fresh.state_dict().items() if "proj" in k or "w_" in k or "head" in k]
+        assert changed and all(not torch.equal(fresh.state_dict()[k], drawn[k]) for k in changed), changed
+
+
 def test_layerskip_early_exit_is_refused_with_its_reason(tmp_path: Path) -> None:
     ours, llama = pair(tmp_path)
     prompt = IDS[:1, :4]

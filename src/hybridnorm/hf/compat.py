@@ -3,7 +3,8 @@
 transformers 5.23 renamed the cache argument and output field ``past_key_values`` to ``cache`` (the old name
 is accepted with a deprecation warning until 5.40); earlier 5.x releases know only ``past_key_values``. Our
 ``forward`` accepts both names; everything we hand to transformers uses the name the installed release
-expects, found once here by looking at its own signatures rather than by parsing version strings.
+expects, found once here by looking at its own signatures rather than by parsing version strings. Also the
+conventions our forward shares with transformers' models whatever the release (the default positions).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import inspect
 import warnings
 from typing import Any
 
+import torch
 from torch import Tensor
 from transformers import masking_utils
 from transformers.cache_utils import Cache
@@ -55,3 +57,12 @@ def cache_arg(cache: Any, kwargs: dict[str, Any]) -> Any:
     elif legacy is not None and CACHE_FIELD == "cache":
         warnings.warn("`past_key_values` is deprecated: pass the KV cache as `cache`", FutureWarning, stacklevel=3)
     return cache if cache is not None else legacy
+
+
+def default_positions(T: int, attention_mask: Tensor | None, cache: Any, device: torch.device) -> Tensor:
+    """Positions of the T new tokens: with a 2-D padding mask they count real tokens only, so a left-padded
+    row computes what it computes alone (B, T); else they follow the cached ones (1, T)."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+    past = cache.get_seq_length() if cache is not None else 0
+    return (torch.arange(T, device=device) + past).unsqueeze(0)

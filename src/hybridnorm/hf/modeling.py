@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
+from transformers.initialization import guard_torch_init_functions
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -38,7 +39,7 @@ from transformers.modeling_outputs import (
 
 from hybridnorm.hf import remote_code
 from hybridnorm.hf.attention import AttentionCall, CacheView, HFKernel
-from hybridnorm.hf.compat import CACHE_FIELD, cache_arg, causal_mask, with_cache
+from hybridnorm.hf.compat import CACHE_FIELD, cache_arg, causal_mask, default_positions, with_cache
 from hybridnorm.hf.configuration import MODEL_TYPE, HybridNormConfig
 from hybridnorm.hf.loss import causal_lm_loss
 from hybridnorm.hf.tied_head import TiedHead
@@ -93,22 +94,25 @@ class HybridNormPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: torch.nn.Module) -> None:
         # The placement's own scheme (per-depth scales, untied head), which is model-level: drawn once for the
-        # whole TransformerLM. transformers guards the nn.init calls inside, so loaded weights are not redrawn.
-        if isinstance(module, TransformerLM):
-            module.reset_parameters()
-            # the tables are computed, never loaded: they must hold numbers even where the embedding is still
-            # on the meta device after loading (a device_map that offloads it), or accelerate cannot place them
-            module.reset_rope(torch.device("cpu") if module.embed.weight.is_meta else None)
-        elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
-                and all(module.weight is not p for p in self.model.parameters()):
-            # a weight outside the model: resize_token_embeddings(mean_resizing=False)'s new embedding or head,
-            # or a task head (hybridnorm.hf.heads), drawn as the scheme draws the LM head, which reads the same
-            # hidden states (torch's own default would be N(0, 1)); not tied_head, whose weight is the embedding's
-            mc = self.model.config
-            std = mc.std if isinstance(module, torch.nn.Embedding) else head_std(mc.resolved_init(), mc.std, mc.d_model)
-            trunc_normal(module.weight, std)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+        # whole TransformerLM. The nn.init calls are guarded as transformers' own init functions are, so a loaded
+        # weight is never redrawn, also by a later model.apply(model._init_weights) (a no-op on a loaded Llama).
+        with guard_torch_init_functions():
+            if isinstance(module, TransformerLM):
+                module.reset_parameters()
+                # the tables are computed, never loaded: they must hold numbers even where the embedding is still
+                # on the meta device after loading (a device_map that offloads it), or accelerate cannot place them
+                module.reset_rope(torch.device("cpu") if module.embed.weight.is_meta else None)
+            elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
+                    and all(module.weight is not p for p in self.model.parameters()):
+                # a weight outside the model: resize_token_embeddings(mean_resizing=False)'s new embedding or head,
+                # or a task head (hybridnorm.hf.heads), drawn as the scheme draws the LM head, which reads the same
+                # hidden states (torch's default would be N(0, 1)); not tied_head, whose weight is the embedding's
+                mc = self.model.config
+                std = mc.std if isinstance(module, torch.nn.Embedding) \
+                    else head_std(mc.resolved_init(), mc.std, mc.d_model)
+                trunc_normal(module.weight, std)
+                if getattr(module, "bias", None) is not None:
+                    torch.nn.init.zeros_(module.bias)
 
     @classmethod
     def register_for_auto_class(cls, auto_class: Any = "AutoModel") -> None:
@@ -169,7 +173,7 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=cfg)
         if position_ids is None:
-            position_ids = _default_positions(x.shape[1], attention_mask, cache, x.device)
+            position_ids = default_positions(x.shape[1], attention_mask, cache, x.device)
         mask = causal_mask(cfg, x, attention_mask, cache, position_ids)  # None, or (B, 1, T, S)
         # past max_position_embeddings, as transformers' models: rows computed there (dynamic NTK: for this call).
         # Compiled (a static cache) the tables are what they are: max_position_embeddings is the limit there
@@ -231,15 +235,6 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             probs = logits.softmax(dim=-1)
             per_layer.append(router_losses(logits, probs, probs.topk(moe.top_k, dim=-1).indices, weight))
         return mean_router_losses(per_layer, moe)
-
-
-def _default_positions(T: int, attention_mask: Tensor | None, cache: Any, device: torch.device) -> Tensor:
-    """Positions of the T new tokens: with a 2-D padding mask they count real tokens only, so a left-padded
-    row computes what it computes alone (B, T); else they follow the cached ones (1, T)."""
-    if attention_mask is not None and attention_mask.dim() == 2:
-        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
-    past = cache.get_seq_length() if cache is not None else 0
-    return (torch.arange(T, device=device) + past).unsqueeze(0)
 
 
 class HybridNormModel(HybridNormPreTrainedModel):
