@@ -4,6 +4,7 @@ through the real command line: exit 2, one ``error:`` line naming the option or 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -145,7 +146,8 @@ def _wordlevel_without_unk(path: Path) -> Path:
     ("a corpus too small to split", ["too small to split", "give a longer data.source"]),
     ("a plan for more memory than it can count", ["--gpu-mem=1e+300", "<="]),
     ("gradprofile into a folder", ["--out", "is a folder", "gradprofile.json"]),  # was: after the profiles
-    ("a path of 100,000 characters", ["File name too long", "characters left out", "aaa'"]),  # was: all of it
+    ("a path of 100,000 characters", ["--data.source: File name too long", "characters left out", "aaaa"]),
+    ("a FIFO as the data", ["data.source", "fifo.txt", "not a regular file"]),  # was: waited forever
 ])
 def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsys, corpus: Path, case: str,
                                                            needles: list[str]) -> None:
@@ -155,6 +157,7 @@ def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsy
     (tmp_path / "cfg.yaml").write_text("? [a]\n: 1\n")
     (tmp_path / "small").mkdir()
     (tmp_path / "small" / "a.txt").write_text("x")
+    os.mkfifo(tmp_path / "fifo.txt")
     argv = {"a list as a yaml key": ["train", str(tmp_path / "cfg.yaml"), *out],
             "a list as a key in an override": ["train", *out, "--model.moe={? [a]: 1}"],
             "a seed past 64 bits": ["train", *out, "--seed=18446744073709551616"],
@@ -164,7 +167,8 @@ def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsy
             "a plan for more memory than it can count": ["plan", "--size", "1.2b", "--gpu-mem", "1e300"],
             "gradprofile into a folder": ["gradprofile", "--out", str(tmp_path / "small"), "--sizes", "tiny",
                                           "--placements", "pre", "--seeds", "0", "--seq-len", "16"],
-            "a path of 100,000 characters": ["train", *out, f"--data.source={tmp_path / ('a' * 100_000)}"]}[case]
+            "a path of 100,000 characters": ["train", *out, f"--data.source={tmp_path / ('a' * 100_000)}"],
+            "a FIFO as the data": ["train", *out, f"--data.source={tmp_path / 'fifo.txt'}"]}[case]
     line = assert_refused(argv, capsys, needles, tmp_path)
     assert "val_fraction" not in line and len(line) <= len("error: ") + ERROR_CHARS
     assert not (tmp_path / "out").exists()  # nothing made for a command refused before it starts
@@ -184,3 +188,19 @@ def test_a_run_whose_checkpoints_folder_is_a_file_is_refused_not_restarted(tmp_p
     assert_refused(["train", *tiny_overrides(corpus, cache_dir, run), "--resume", "--max-steps", "4"], capsys,
                    [str(run / "checkpoints"), "is a file"], tmp_path)
     assert not (run / "metrics.stale.jsonl").exists()
+
+
+@pytest.mark.parametrize("where", ["--out", "--data.source", "run", "--prompt-file"])
+def test_a_name_too_long_for_the_file_system_names_the_option_that_holds_it(run, tmp_path, capsys, corpus,
+                                                                             where) -> None:
+    """The OS's ``File name too long`` said which path, not which option, before 2026-12-02."""
+    long = tmp_path / ("n" * 300)
+    argv = {"--out": ["train", "--size", "tiny", "--max-steps", "1", "--data.tokenizer=bytes",
+                      f"--data.source={corpus}", "--out", str(long / "run")],
+            "--data.source": ["train", "--size", "tiny", "--max-steps", "1", "--data.tokenizer=bytes",
+                              f"--data.source={long}.txt", "--out", str(tmp_path / "out")],
+            "run": ["generate", str(long), "--prompt", "In"],
+            "--prompt-file": ["generate", str(run), "--prompt-file", str(long)]}[where]
+    name = "checkpoint" if where == "run" else where  # generate's positional argument
+    line = assert_refused(argv, capsys, [f"{name}: File name too long: {long}"], tmp_path)
+    assert line.count(str(long)) == 1, line

@@ -313,10 +313,35 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
             raise
         lost = isinstance(e, CollectiveError)  # a late or lost rank under torchrun: the input was fine
         hint = "; resume from the newest complete checkpoint with --resume" if lost else ""
-        print(f"error: {one_line(e)}{hint}", file=sys.stderr)  # one line, whatever the message
+        print(f"error: {one_line(_path_option(e, parser, args, extra) or e)}{hint}", file=sys.stderr)  # one line
         return EXIT_FAILED if lost else EXIT_BAD_INPUT
     finally:
         warnings.formatwarning = old_format
+
+
+def _path_option(e: BaseException, parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 extra: list[str]) -> str:
+    """``"--out: File name too long: <its value>"`` when the OS refused a path (too long, not a folder, ...)
+    that an option of this command line holds or leads to, so the line names the option as every other bad
+    input does; else ``""``. The option whose value is the longest start of the refused path wins (``--out`` for
+    ``<out>/checkpoints``); option and reason come first, as a line too long to print whole keeps its start."""
+    failed = getattr(e, "filename", None) if isinstance(e, OSError) else None
+    if not isinstance(failed, (str, os.PathLike)):
+        return ""
+    failed = os.fspath(failed)
+    sub = next((a.choices[args.command] for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    given = [(f"--{w[2:].partition('=')[0]}", w.partition("=")[2]) for w in extra if w.startswith("--") and "=" in w]
+    for action in sub._actions if sub is not None else []:
+        value = getattr(args, action.dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, (str, os.PathLike)):
+                given.append((action.option_strings[-1] if action.option_strings else action.dest, os.fspath(v)))
+    leads = [(len(v), name, v) for name, v in given
+             if v and (failed == v or failed.startswith(v.rstrip(os.sep) + os.sep) or failed.startswith(v + "."))]
+    if not leads:
+        return ""
+    _, name, value = max(leads)
+    return f"{name}: {e.strerror or e}: {value}" + (f" (at {failed})" if failed != value else "")
 
 
 if __name__ == "__main__":

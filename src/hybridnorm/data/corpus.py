@@ -191,6 +191,9 @@ def _local_files(path: Path) -> list[Path]:
     if not path.exists():
         raise ConfigError(f"data.source file {path} does not exist (expected 'kjv', 'kjv-bigval', 'hf:<dataset>', or a "
                           f"{'/'.join(SUFFIXES)} file or folder)")
+    if not path.is_file():  # a FIFO waits for a writer forever, and the source is read more than once
+        raise ConfigError(f"data.source {path} is not a regular file (a pipe, socket or device); write the data "
+                          f"to a file or folder first")
     if path.suffix not in SUFFIXES:
         raise ConfigError(f"data.source file {path}: unsupported suffix {path.suffix!r}; use one of "
                           f"{', '.join(SUFFIXES)}")
