@@ -148,10 +148,12 @@ def _wordlevel_without_unk(path: Path) -> Path:
     ("gradprofile into a folder", ["--out", "is a folder", "gradprofile.json"]),  # was: after the profiles
     ("a path of 100,000 characters", ["--data.source: File name too long", "characters left out", "aaaa"]),
     ("a FIFO as the data", ["data.source", "fifo.txt", "not a regular file"]),  # was: waited forever
+    ("a batch whose activations cannot fit", ["batch_size=10000000 x seq_len=", "activations one micro-batch"]),
 ])
 def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsys, corpus: Path, case: str,
                                                            needles: list[str]) -> None:
-    """Each was a traceback (or an error naming a field that does not exist) before 2026-12-02."""
+    """Each was a traceback (or an error naming a field that does not exist, a wait without end, the OOM
+    killer's kill without a word) before 2026-12-02."""
     out = ["--size", "tiny", "--max-steps", "1", "--out", str(tmp_path / "out"), "--data.tokenizer=bytes",
            f"--data.source={corpus}"]
     (tmp_path / "cfg.yaml").write_text("? [a]\n: 1\n")
@@ -168,7 +170,8 @@ def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsy
             "gradprofile into a folder": ["gradprofile", "--out", str(tmp_path / "small"), "--sizes", "tiny",
                                           "--placements", "pre", "--seeds", "0", "--seq-len", "16"],
             "a path of 100,000 characters": ["train", *out, f"--data.source={tmp_path / ('a' * 100_000)}"],
-            "a FIFO as the data": ["train", *out, f"--data.source={tmp_path / 'fifo.txt'}"]}[case]
+            "a FIFO as the data": ["train", *out, f"--data.source={tmp_path / 'fifo.txt'}"],
+            "a batch whose activations cannot fit": ["train", *out, "--batch_size=10000000"]}[case]
     line = assert_refused(argv, capsys, needles, tmp_path)
     assert "val_fraction" not in line and len(line) <= len("error: ") + ERROR_CHARS
     assert not (tmp_path / "out").exists()  # nothing made for a command refused before it starts

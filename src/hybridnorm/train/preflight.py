@@ -139,17 +139,21 @@ def _size(n: int) -> str:
 
 
 def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, copies: int = 1,
-               shards: int = 1, what: str = "the model") -> None:
+               shards: int = 1, what: str = "the model", activations: tuple[int, str] = (0, "")) -> None:
     """ConfigError if ``mc``'s parameters (plus gradients and AdamW state when ``training``) cannot fit in
     the memory available on ``device`` now; silent where that cannot be read. ``shards`` > 1 (FSDP over that
     many ranks): the training state is split between them, but each rank still builds the whole fp32 model
-    once before sharding it, so it needs the larger of the two."""
+    once before sharding it, so it needs the larger of the two. ``activations``: (bytes one micro-batch's
+    forward keeps for its backward on each rank, the batch options that set it, named when it is they that
+    cannot fit); the planner's count (``plan.activation_bytes``), measured on CPU at 80-90 % of the growth of
+    the process's peak memory with the batch, so still a lower bound."""
     device = torch.device(device)
     need = estimate_bytes(mc, training=training, copies=copies)
     if training and shards > 1:
         need = max(estimate_bytes(mc, training=False), -(-(need - rope_bytes(mc)) // shards) + rope_bytes(mc))
+    act, batch = activations
     free = available_bytes(device)
-    if free is None or need <= free[0]:
+    if free is None or need + act <= free[0]:
         return
     n = param_count(mc)
     how = (f"{n:,} parameters x {TRAIN_BYTES_PER_PARAM} bytes (fp32 weights, gradients, AdamW's two moments)"
@@ -157,10 +161,15 @@ def check_fits(mc: Any, device: torch.device | str = "cpu", *, training: bool, c
            if training else f"{n:,} parameters x {FP32_BYTES} bytes (fp32)" + (f" x {copies} copies while loading"
                                                                               if copies > 1 else ""))
     rope = rope_bytes(mc)
-    if rope > need // 2:  # the tables, not the weights, are what cannot fit: name their field
+    if rope > (need + act) // 2:  # the tables, not the weights, are what cannot fit: name their field
         raise ConfigError(f"model.max_seq_len={mc.max_seq_len}: {what} needs at least {_size(need)} on {device}, "
                           f"{_size(rope)} of it for the RoPE tables of that many positions, but only "
                           f"{_size(free[0])} is available ({free[1]}); use a smaller model.max_seq_len")
+    if need <= free[0]:  # the weights fit, one micro-batch's activations do not: name the batch
+        raise ConfigError(f"{batch}: {what} needs at least {_size(need + act)} on {device}, {_size(act)} of it "
+                          f"for the activations one micro-batch keeps for its backward, but only "
+                          f"{_size(free[0])} is available ({free[1]}); use a smaller batch_size (grad_accum keeps "
+                          f"the step's batch) or activation_checkpointing=true")
     raise ConfigError(f"{what} needs at least {_size(need)} on {device} ({how}; activations come on top) but only "
                       f"{_size(free[0])} is available ({free[1]}); use a smaller model (model.d_model / n_layers / "
                       "vocab) or a machine with more memory")

@@ -63,6 +63,7 @@ from hybridnorm.train.host_sync import PendingSteps, StepRecord, deferred
 from hybridnorm.train.logger import MetricsLogger
 from hybridnorm.train.optim import build_optimizer, describe_optimizer, lr_at, set_lr, short_warmup_note
 from hybridnorm.train.parallel import data_parallel, shard_model
+from hybridnorm.train.plan import activation_bytes
 from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.provenance import code_versions, hardware
@@ -170,7 +171,9 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
 
     torch.manual_seed(cfg.seed)
     shards = d.world_size if d.enabled and cfg.parallel == "fsdp" else 1
-    check_fits(cfg.model, device, training=True, shards=shards, what=f"training this model on {device}")
+    act = activation_bytes(cfg.model, cfg.batch_size * cfg.seq_len, precision, cfg.activation_checkpointing)[0]
+    check_fits(cfg.model, device, training=True, shards=shards, what=f"training this model on {device}",
+               activations=(act, f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len}"))
     model = TransformerLM(cfg.model).to(device)
     step_model = _wrap_for_training(model, cfg, device, d)
     pending = PendingSteps(deferred(cfg.host_sync, device, cfg.diagnostics.skip_spikes))
