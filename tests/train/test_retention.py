@@ -8,6 +8,7 @@ import json
 import warnings
 
 import pytest
+import torch
 from checkpoint_helpers import (
     as_older_checkpoint,
     flip_byte,
@@ -198,3 +199,41 @@ def test_a_replaced_weights_file_is_corrupt_but_a_changed_config_is_not(corpus, 
     err = capsys.readouterr().err
     assert rc == 2 and "does not fit this model" in err and "Traceback" not in err
     assert snapshot(ckpts) == before
+
+
+def test_a_run_read_while_its_saves_prune_the_checkpoint_being_read_opens_the_newer_one(tmp_path, corpus, cache_dir,
+                                                                                      monkeypatch) -> None:
+    """``generate``/``eval`` of a run still training with ``--keep_last 1``: the newest checkpoint is removed
+    (a newer one saved, the old one pruned) while it is read. Before 2026-12-02 one try in six failed so."""
+    import shutil
+
+    from hybridnorm.train import run as run_module
+
+    run = tmp_path / "run"
+    assert cli.main(["train", *tiny_overrides(corpus, cache_dir, run), "--max-steps", "4", "--ckpt_interval=2",
+                     "--keep_last=2"]) == 0
+    ckpts = run / "checkpoints"
+    newer = tmp_path / "step_000004"
+    shutil.move(ckpts / "step_000004", newer)  # saved while step 2 is read, below
+    real, calls = run_module.load_weights, []
+
+    def save_and_prune_while_reading(ckpt, model):
+        calls.append(ckpt.name)
+        if len(calls) == 1:
+            shutil.move(newer, ckpts / "step_000004")  # what the training process does meanwhile
+            shutil.rmtree(ckpt)
+        return real(ckpt, model)
+
+    monkeypatch.setattr(run_module, "load_weights", save_and_prune_while_reading)
+    opened = run_module.open_run(run)
+    assert calls == ["step_000002", "step_000004"] and opened.checkpoint == ckpts / "step_000004"
+    monkeypatch.setattr(run_module, "load_weights", real)
+    again = run_module.open_run(ckpts / "step_000004")
+    for (name, a), (_, b) in zip(opened.model.state_dict().items(), again.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    # a checkpoint that is still there and fails is not retried: its error, once
+    calls.clear()
+    monkeypatch.setattr(run_module, "load_weights", lambda ckpt, model: calls.append(ckpt) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        run_module.open_run(run)
+    assert len(calls) == 1

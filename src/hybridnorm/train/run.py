@@ -143,13 +143,30 @@ def open_run(path: str | Path) -> Run:
     if not path.exists():
         raise ConfigError(f"no run folder or checkpoint at {path}")
     ckpt, run_dir = split_run_path(path)
-    if ckpt is None:
+    if ckpt is not None:
+        return _open_checkpoint(ckpt, run_dir)
+    for attempt in range(PRUNED_RETRIES + 1):
         bad: list[str] = []  # with none good, each one's problem (newest first) for the error instead of warnings
         ckpt = latest_checkpoint(path / "checkpoints", why_none=bad)
         if ckpt is None:
             raise CheckpointError(f"{path} has no usable checkpoint" + (
                 f" ({len(bad)} found, none verifies; the newest: {bad[0]})" if bad
                 else f" (no checkpoints/step_* folder{_checkpoints_folder_hint(path)})") + adapter_hint(path))
+        try:
+            return _open_checkpoint(ckpt, run_dir)
+        except Exception:  # whatever a vanished file raises: OSError, CheckpointError, SafetensorError, ...
+            # a run still training with keep_last removed the newest checkpoint while it was read (a newer
+            # one was written): the newest again. A checkpoint that is still there failed for what it holds
+            if ckpt.exists() or attempt == PRUNED_RETRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
+PRUNED_RETRIES = 5  # a checkpoint pruned while read is a race with a save; five in a row is a run saving nonstop
+
+
+def _open_checkpoint(ckpt: Path, run_dir: Path) -> Run:
+    """:func:`open_run` of one ``checkpoints/step_*`` folder of ``run_dir``."""
     # the files this checkpoint was written with (its own copies; an older checkpoint's are its run's)
     cfg_file, tok_file = checked_run_file(ckpt, "config.yaml"), checked_tokenizer_file(ckpt)
     cfg = TrainConfig.load(cfg_file)
