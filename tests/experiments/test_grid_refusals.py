@@ -104,3 +104,16 @@ def test_a_missing_data_source_is_refused_before_any_run_trains(make_cfg, tmp_pa
     with pytest.raises(ConfigError, match=r"none.txt does not exist .*\(grid point pre-init=megatron-data.source="):
         run_grid(make_cfg(tmp_path / "u", "--max_steps=2"), grid, tmp_path / "g", jobs=2)
     assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("how", [("--axis", "steps=0,2"), ("--max-steps", "0")])
+def test_a_point_of_zero_steps_is_refused_before_any_run_trains(tmp_path, corpus, cache_dir, capsys, how):
+    """Before 2026-12-02 it trained the other points and reported the zero-step one as a lost log."""
+    out = tmp_path / "cmp"
+    argv = _argv(out, corpus, cache_dir, *how)
+    at = argv.index("--max-steps")
+    argv[at:at + 2] = how if how[0] == "--max-steps" else []  # steps=2 for the axis's other point
+    assert cli.main(argv) == 2
+    line = _one_error(capsys)
+    assert "max_steps=0 (grid point pre-" in line and "trains no step" in line, line
+    assert not list(out.glob("runs/*/metrics.jsonl"))

@@ -42,6 +42,7 @@ from hybridnorm.experiments.grid_checks import (
     PAUSE_FIELDS,
     check_data_sources,
     check_placement_spellings,
+    check_points_train,
     check_report_folder,
     check_trained_with,
     no_repeats,
@@ -257,7 +258,9 @@ def run_grid(base: TrainConfig, grid: Grid, out_dir: str | Path, jobs: int = 1,
 
     if not train:
         return records()
-    configs = one_precision([point_config(base, grid, p, dirs[p]) for p in points])
+    configs = [point_config(base, grid, p, dirs[p]) for p in points]
+    check_points_train(configs, [p.name for p in points])  # steps=0: no record to judge (every rank alike)
+    configs = one_precision(configs)
     failed_prepare: ConfigError | None = None
     try:  # rank 0 writes the point.json files; the other ranks learn whether it could
         check_data_sources(configs, [p.name for p in points])  # a missing file: before any run trains

@@ -4,6 +4,8 @@
   count twice in the report's statistics;
 - two spellings of one placement (``hybridnorm`` and ``QKV-Post``, ``pre`` and ``Pre-Pre``): they would
   train the same model twice and the report would count it as two placements;
+- a point that trains no step (``--axis steps=0``, ``--max-steps 0``): a grid judges trained runs, and a run
+  of zero steps has no training record to judge (it was reported as a lost log);
 - a ``data.source`` that is not there (a missing file, a folder without text files): caught before the
   first run trains, not by a worker half-way through the grid;
 - ``--report-only`` on a folder that is not a grid's report folder, or with options that contradict the
@@ -63,6 +65,14 @@ def check_placement_spellings(names: Sequence[str]) -> None:
             raise ConfigError(f"--placements lists {first!r} and {name!r}, two names of one placement ({same}); "
                               "each placement may appear once")
         seen.setdefault(built, name)
+
+
+def check_points_train(configs: Sequence[TrainConfig], names: Sequence[str]) -> None:
+    """Every point trains at least one step (max_steps 0 is train's "evaluate the initial model")."""
+    for cfg, name in zip(configs, names, strict=True):
+        if cfg.max_steps < 1:
+            raise ConfigError(f"max_steps={cfg.max_steps} (grid point {name}) trains no step, and a grid compares "
+                              "trained runs: give steps >= 1 (--max-steps or --axis steps=...); nothing was trained")
 
 
 def check_data_sources(configs: Sequence[TrainConfig], names: Sequence[str]) -> None:
