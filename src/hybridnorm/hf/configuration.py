@@ -6,7 +6,8 @@ estimators, transformers' own model tests), so they are the truth for the sizes 
 our model needs (the placement written out as data, norm kind, init, MoE, ...) lives in ``hybridnorm``, the
 ModelConfig as a dict. :meth:`HybridNormConfig.model_config` merges the two at the moment a model is built,
 and the dict is brought in line with the standard fields whenever the config is serialized, so the two
-never disagree in a saved ``config.json``.
+never disagree in a saved ``config.json``; a dict or file read in where they do is refused
+(:mod:`hybridnorm.hf.config_agreement`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hybridnorm import placements
 from hybridnorm.config import ModelConfig
 from hybridnorm.config_base import coerce
 from hybridnorm.errors import ConfigError
+from hybridnorm.hf import config_agreement
 from hybridnorm.hf.rope_parameters import from_rope_parameters, to_rope_parameters
 
 MODEL_TYPE = "hybridnorm"
@@ -54,7 +56,8 @@ _HF_NAME = {name: hf_name for hf_name, name in _STANDARD_FIELDS.items() if hf_na
 
 class HybridNormConfig(PretrainedConfig):
     """``hybridnorm``: the :class:`hybridnorm.ModelConfig` as a dict (placement as data); the standard
-    size fields and ``tie_word_embeddings``, where given, override it. ``placement`` names a preset or
+    size fields and ``tie_word_embeddings`` given beside it must say what it says (a ConfigError naming both
+    otherwise), and set later they override it. ``placement`` names a preset or
     grammar name for a config built from standard fields alone (``HybridNormConfig(hidden_size=64, ...,
     placement="hybridnorm_star")``); a config with a ``hybridnorm`` dict keeps the dict's placement and
     shows its name here. ``num_experts`` (with ``num_experts_per_tok``, ...) makes the FFN an MoE."""
@@ -101,6 +104,10 @@ class HybridNormConfig(PretrainedConfig):
         for name in MOE_ONLY:  # given (a keyword, a config.json): read by _sync, which keeps them on an MoE
             if name in kwargs:
                 setattr(self, name, kwargs.pop(name))
+        if isinstance(self.hybridnorm, dict) and self.hybridnorm:
+            # read in (a config.json, keywords), the standard fields and the dict must say each value alike
+            # (config_agreement); assigned later, a standard field is the truth and the dict follows it (_sync)
+            config_agreement.check(self, self.hybridnorm, _STANDARD_FIELDS, _MOE_FIELDS)
         if isinstance(self.hybridnorm, dict) and self.hybridnorm and self.tie_word_embeddings is not None \
                 and self.tie_word_embeddings != self.hybridnorm.get("tie_embeddings", ModelConfig.tie_embeddings):
             # config.json of exports before 2026-11 always said false (that class never let transformers tie):
