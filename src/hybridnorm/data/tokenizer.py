@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
 
 from hybridnorm import leftovers, plain_data
+from hybridnorm.data import byte_file
 from hybridnorm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -62,16 +63,16 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255 and ``<|endoftext|>`` is 256: no training, any text round-trips."""
 
     kind = "bytes"
-    vocab_size = 257
-    eot_id = 256
-    start_id = 256
+    vocab_size: int = byte_file.FIELDS["vocab_size"]  # 257
+    eot_id: int = byte_file.FIELDS["eot_id"]  # 256
+    start_id: int = eot_id
     files = ("tokenizer.json",)
 
     def __init__(self) -> None:
         self.fingerprint = hashlib.sha256(self._json().encode()).hexdigest()
 
     def _json(self) -> str:
-        return json.dumps({"type": "hybridnorm-bytes", "version": 1, "vocab_size": 257, "eot_id": 256})
+        return json.dumps(byte_file.FIELDS)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -276,7 +277,8 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Tokenizer
         head = plain_data.loads(text)  # the depth limit, before the Rust parser sees the text
     except ValueError as e:
         raise ConfigError(f"cannot read tokenizer file {file}: {plain_data.describe_error(e)}") from None
-    if isinstance(head, dict) and head.get("type") == "hybridnorm-bytes":
+    if byte_file.is_byte_file(head):
+        byte_file.check(head, file)  # the marker decides the tokenizer: what else the file says must fit it
         tok: Tokenizer = ByteTokenizer()
     else:
         from tokenizers import Tokenizer as HFTokenizer
