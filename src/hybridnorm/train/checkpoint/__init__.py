@@ -3,7 +3,8 @@
 The package, lowest first (each module imports only those above it in this list, plus ``train.distributed``,
 ``train.preflight`` and ``train.tensor_check``):
 
-- :mod:`.layout`     the file names of the single and the sharded layout, and the schema of ``state.json``
+- :mod:`.layout`     the file names of the single and the sharded layout, and the format version
+- :mod:`.counters`   the counters of ``state.json`` (data-loader position, tokens, AdamW's step) and their bounds
 - :mod:`.format`     reading and checking a checkpoint's files: manifest, sha256, schema; ``CheckpointError``
 - :mod:`.shards`     FSDP pieces: which slice of each tensor a rank holds, keyed ``name@offset``
 - :mod:`.load`       loading either layout into either kind of run (``TrainState``, weights, optimizer, RNG)
@@ -25,7 +26,7 @@ from hybridnorm.train.checkpoint.format import (
     list_checkpoints,
     verify_checkpoint,
 )
-from hybridnorm.train.checkpoint.layout import RUN_FILES
+from hybridnorm.train.checkpoint.layout import FORMAT_VERSION, RUN_FILES, NewerFormatError
 from hybridnorm.train.checkpoint.load import TrainState, load_checkpoint, load_weights
 from hybridnorm.train.checkpoint.lock import LOCK_NAME, claim_run_dir
 from hybridnorm.train.checkpoint.retention import ResumePoint, checkpoint_for_resume, prune_checkpoints
@@ -37,7 +38,8 @@ from hybridnorm.train.checkpoint.save import (
     start_checkpoint,
 )
 
-__all__ = ["FILES", "LOCK_NAME", "RUN_FILES", "CheckpointError", "CheckpointSaveError", "PendingSave", "ResumePoint",
+__all__ = ["FILES", "FORMAT_VERSION", "LOCK_NAME", "RUN_FILES", "CheckpointError", "CheckpointSaveError",
+           "NewerFormatError", "PendingSave", "ResumePoint",
            "TrainState", "check_checkpoint", "checked_own_run_file", "checked_run_file", "checked_tokenizer_file",
            "checkpoint_for_resume", "claim_run_dir",
            "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_weights", "prune_checkpoints",

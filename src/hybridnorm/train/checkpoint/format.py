@@ -21,11 +21,14 @@ from typing import Any
 import torch
 
 from hybridnorm import plain_data
+from hybridnorm.train.checkpoint.counters import check_data
 from hybridnorm.train.checkpoint.layout import (
     FILES,
+    FORMAT_VERSION,
     MANIFEST,
     RUN_FILES,
     CheckpointError,
+    check_format_version,
     index_pieces,
     layout_files,
     shard_ranks,
@@ -43,8 +46,6 @@ _CUDA_KEY = re.compile(r"^cuda\.[0-9]+$")
 # param-group fields of torch's Adam/AdamW: a wrong type here would not fail at load but at the next step
 _GROUP_NUMBERS = ("lr", "eps", "weight_decay", "initial_lr")
 _GROUP_FLAGS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
-# the data-loader position TokenBatches.state_dict writes: all integers
-_DATA_KEYS = ("epoch", "step", "seed", "seq_len", "global_batch", "n_tokens", "per_step")  # per_step: see loader
 
 
 def list_checkpoints(ckpt_root: str | Path) -> list[Path]:
@@ -93,6 +94,7 @@ def recorded_files(manifest: dict[str, Any], where: Path) -> tuple[str, ...]:
 def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
     """``manifest.json``: for each file the checkpoint holds (:func:`recorded_files`),
     ``{"bytes": int >= 0, "sha256": 64 hex digits}``."""
+    check_format_version(ckpt)  # first: a newer format is refused as such, not misread as a corrupt one
     path = ckpt / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: {path} is missing")
@@ -184,25 +186,6 @@ def _bad_state(path: Path, what: str) -> CheckpointError:
     return CheckpointError(f"checkpoint file {path} is malformed: {what}"[:500])
 
 
-def _check_data(path: Path, data: object) -> None:
-    """The data-loader position: empty (an imported model's step 0) or TokenBatches' integers."""
-    if not isinstance(data, dict):
-        raise _bad_state(path, f"'data' must be an object, got {type(data).__name__}")
-    if not data:
-        return
-    for key, value in data.items():
-        if key not in _DATA_KEYS or not _is_int(value) or value < 0:
-            raise _bad_state(path, f"'data' holds {key!r}: {value!r}; expected integers >= 0 among {_DATA_KEYS}")
-    for key in ("epoch", "step"):
-        if key not in data:
-            raise _bad_state(path, f"'data' has no {key!r}")
-    if all(data.get(k, 0) > 0 for k in ("n_tokens", "seq_len", "global_batch")):
-        # the same arithmetic as TokenBatches: a position past the end of its own epoch is not a position
-        steps_per_epoch = ((data["n_tokens"] - 1) // data["seq_len"]) // data["global_batch"]
-        if data["step"] >= max(steps_per_epoch, 1):
-            raise _bad_state(path, f"'data' step {data['step']} is past its epoch of {steps_per_epoch} steps")
-
-
 def _check_extra(path: Path, extra: object) -> None:
     if not isinstance(extra, dict):
         raise _bad_state(path, f"'extra' must be an object, got {type(extra).__name__}")
@@ -269,9 +252,12 @@ def read_state(ckpt: Path) -> dict[str, Any]:
             raise _bad_state(path, f"the key {key!r} is missing")
         if check is not None and not (check(body[key]) and body[key] >= 0):
             raise _bad_state(path, f"{key!r} must be an integer >= 0, got {body[key]!r}")
+    version = body.get("format", 1)  # absent: written before the version was recorded, format 1
+    if not (_is_int(version) and 1 <= version <= FORMAT_VERSION):  # newer: check_format_version refused it
+        raise _bad_state(path, f"'format' must be a format version from 1 to {FORMAT_VERSION}, got {version!r}")
     if (m := _STEP_DIR.match(ckpt.name)) and int(m.group(1)) != body["step"]:
         raise _bad_state(path, f"'step' is {body['step']} in the checkpoint folder of step {int(m.group(1))}")
-    _check_data(path, body["data"])
+    check_data(path, body["data"], body["step"], body["tokens"])
     _check_extra(path, body["extra"])
     _check_optimizer_meta(path, body["optimizer"])
     return body
@@ -306,7 +292,8 @@ def check_optimizer_file(ckpt: Path, meta: dict[str, Any], weights: Header, head
                                   f"{state_path} names for parameter {idx}")
         shape = weights[name][1]
         for key, (_, got) in header.items():
-            if key.startswith(f"state.{idx}.") and got and got != shape:
+            # every state tensor is shaped like its weight, but for the 0-d step count AdamW keeps
+            if key.startswith(f"state.{idx}.") and (got or not key.endswith(".step")) and got != shape:
                 raise CheckpointError(f"checkpoint files {model_path} and {path} disagree: {name} has shape "
                                       f"{shape}, its optimizer state {key} {got}")
     ids = {p for g in meta["param_groups"] for p in g["params"]}

@@ -27,6 +27,11 @@ Any slice of any tensor can then be read back from either layout, so a checkpoin
 loads into M (:mod:`hybridnorm.train.checkpoint.shards`).
 
 Every file is safetensors or JSON: nothing here (or anywhere in loading) unpickles.
+
+``state.json`` records the **format version** of the whole folder (``"format"``, :data:`FORMAT_VERSION`), and
+:func:`check_format_version` reads it before anything else of a checkpoint is checked: a later hybridnorm may
+lay a checkpoint out otherwise, and its checkpoint must then be refused as *newer* (one error, upgrade
+hybridnorm, nothing moved) and never taken for a corrupt one of ours, which resume would set aside.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
+from hybridnorm import plain_data
 from hybridnorm.errors import ConfigError
 
 FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
@@ -54,6 +60,10 @@ RUN_FILES = ("config.yaml", "tokenizer.json", "tokenizer_config.json", "chat_tem
 KINDS = ("model", "optimizer")
 SHARD_FILE = re.compile(r"^(model|optimizer)-r([0-9]{5})\.safetensors$")
 _OFFSET = re.compile(r"^(?:[0-9]+(?:,[0-9]+)*)?$")
+# The version of this layout that the code writes and the newest it reads. 1: every checkpoint written before
+# the version was recorded (no "format" in state.json: it is read as 1, and reads exactly as it always did);
+# 2: the same files, with "format" recorded. Raise it with any change an older reader would misread.
+FORMAT_VERSION = 2
 
 
 class CheckpointError(ConfigError):
@@ -61,6 +71,33 @@ class CheckpointError(ConfigError):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.splitlines()))  # the CLI prints it as ONE error: line
+
+
+class NewerFormatError(CheckpointError):
+    """A checkpoint written in a newer format than this code reads. Not corrupt: it is never set aside (retention
+    re-raises it), only refused."""
+
+
+def check_format_version(ckpt: Path) -> None:
+    """Raise :class:`NewerFormatError` if ``ckpt``'s ``state.json`` records a format newer than
+    :data:`FORMAT_VERSION`. Only that: a missing or unreadable file, or a version of the wrong type, is left to
+    the schema checks, which name it (``format.read_state``). Read before the manifest and the hashes are
+    checked, as a newer format may change those too."""
+    path = ckpt / "state.json"
+    try:
+        body = plain_data.loads(path.read_bytes())
+    except (OSError, ValueError):  # ValueError: bad JSON, bad UTF-8, absurd nesting
+        return
+    found = body.get("format") if isinstance(body, dict) else None
+    if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION:
+        raise NewerFormatError(f"checkpoint {ckpt}: checkpoint format {short_int(found)} (in {path}) is newer than "
+                               f"this hybridnorm reads ({FORMAT_VERSION}); upgrade hybridnorm to read it")
+
+
+def short_int(n: int) -> str:
+    """``n`` for a message: whole, or its first digits and length when too long to be worth printing."""
+    text = str(n)
+    return text if len(text) <= 20 else f"{text[:20]}... ({len(text)} digits)"
 
 
 def shard_file(kind: str, rank: int) -> str:

@@ -7,6 +7,24 @@ TensorReader`): each live tensor gets exactly its part — all of it in one proc
 under FSDP — from whichever stored pieces hold it. That is resharding: a checkpoint of 2 FSDP ranks resumes
 in 1 process (or generate/eval/export opens it), one of 1 process resumes on 2 FSDP ranks, and N on M.
 Only safetensors and JSON are read; nothing is unpickled.
+
+A bad checkpoint meets one of two outcomes, decided by which check finds the fault — the rule every new
+check follows, so that alike problems of weights, optimizer state and counters end alike:
+
+- **corrupt** (set aside): whatever :func:`check_checkpoint` finds. It reads the checkpoint alone, JSON and
+  safetensors headers (and the hashes): a file that differs from the manifest, a malformed ``state.json``,
+  a counter no run could reach (:mod:`.counters`), a tensor missing or shaped unlike the weight it belongs
+  to. Such a checkpoint is wrong whoever reads it, so resume moves it into ``corrupt/`` (never deleting it)
+  and takes the newest good one before it (:mod:`.retention`).
+- **refused** (one error, nothing moved): whatever only loading finds, here — the tensors against the run that
+  loads them (this model's names, shapes and dtypes, this optimizer's) and their values (finite; AdamW's step
+  count a whole number within the checkpoint's step), read from the tensor data. A misfit may be the reading
+  run's fault (another config), and the values are too costly to read at every save's retention check; so
+  the run stops with the file named, and the person decides.
+
+Weights and optimizer state are held alike: a float16 moment is refused as a float16 weight is, a NaN moment
+as a NaN weight. A checkpoint of a newer format than this code reads is neither: refused as newer
+(:class:`~hybridnorm.train.checkpoint.layout.NewerFormatError`), never set aside.
 """
 
 from __future__ import annotations
@@ -21,7 +39,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hybridnorm.errors import ConfigError
+from hybridnorm.train.checkpoint.counters import check_optimizer_step
 from hybridnorm.train.checkpoint.format import CheckpointError, check_checkpoint
+from hybridnorm.train.checkpoint.layout import ShardedTensor
 from hybridnorm.train.checkpoint.shards import TensorReader, like, local_box
 from hybridnorm.train.tensor_check import DTYPE_NAMES, check_finite, check_header_dtypes
 
@@ -74,10 +94,25 @@ def _weights_for(ckpt: Path, model: nn.Module, body: dict[str, Any]) -> dict[str
     return {k: like(local[k], v) for k, v in expected.items()}
 
 
+def _step_dtypes() -> tuple[str, ...]:
+    """The dtypes torch's AdamW keeps its step count in: float32 (always when fused), or float64 where that is
+    torch's default dtype."""
+    return ("F32", "F64") if torch.get_default_dtype() == torch.float64 else ("F32",)
+
+
+def _check_dtype(ckpt: Path, t: ShardedTensor, key: str, want: tuple[str, ...]) -> None:
+    """An optimizer tensor's header dtype, as :func:`check_header_dtypes` checks a weight's: a float16 moment
+    read into fp32 state would lose what it held below float16's precision, silently."""
+    if want and t.dtype not in want:
+        raise CheckpointError(f"checkpoint file {ckpt / t.pieces[0].file}: tensor {key!r} is stored as {t.dtype}, "
+                              f"but the optimizer state of this run is {' or '.join(want)}")
+
+
 def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any]) -> dict[str, Any]:
-    """An ``opt.load_state_dict`` argument from ``ckpt``, refused unless its groups and tensor shapes fit ``opt``
-    (torch would accept a misfit here and fail, or worse not fail, at the next step). Each state tensor is
-    read as its parameter's part (a ``DTensor`` shard of it under FSDP)."""
+    """An ``opt.load_state_dict`` argument from ``ckpt``, refused unless its groups and tensor shapes and dtypes
+    fit ``opt`` (torch would accept a misfit here and fail, or worse not fail, at the next step), its values are
+    finite and its step counts possible. Each state tensor is read as its parameter's part (a ``DTensor`` shard
+    of it under FSDP)."""
     meta, (ranks, _) = body["optimizer"], _shards(body)
     f, sj = _file_label(ckpt, "optimizer", ranks), ckpt / "state.json"
     saved, live = meta["param_groups"], opt.param_groups
@@ -89,16 +124,28 @@ def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any
     param_of = {i: p for g, lg in zip(saved, live, strict=True) for i, p in zip(g["params"], lg["params"],
                                                                                  strict=True)}
     state: dict[int, dict[str, Any]] = {}
+    read: list[tuple[str, torch.Tensor]] = []  # this process's part of each tensor, checked before it is used
     with TensorReader(ckpt, "optimizer", ranks, meta.get("tensors")) as reader:
         for key in reader.index:
             _, idx, name = key.split(".", 2)
             p, shape = param_of[int(idx)], reader.shape(key)
-            if shape and shape != tuple(p.shape):
+            if (shape or name != "step") and shape != tuple(p.shape):  # only AdamW's step count is 0-d
                 raise CheckpointError(f"checkpoint file {f}: {key} has shape {shape} but its parameter "
                                       f"(per {sj}) has {tuple(p.shape)}")
+            # the dtype the trainer saves: its parameter's (fp32 master weights), or the step count's float
+            want = (DTYPE_NAMES[p.dtype],) if p.dtype in DTYPE_NAMES else ()
+            _check_dtype(ckpt, reader.index[key], key, _step_dtypes() if name == "step" and not shape else want)
             # a 0-d entry (AdamW's step count) is one whole tensor; the others are shaped (and sharded) like p
-            state.setdefault(int(idx), {})[name] = like(reader.read(key, *local_box(p)), p) if shape \
-                else reader.read(key)
+            t = reader.read(key, *local_box(p)) if shape else reader.read(key)
+            read.append((key, t))
+            state.setdefault(int(idx), {})[name] = like(t, p) if shape else t
+    try:  # as a weight's: a NaN or inf moment poisons every later update of its parameter
+        check_finite(read, f)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    for key, t in read:
+        if key.endswith(".step") and not t.dim():
+            check_optimizer_step(f, key, t, body["step"], sj)
     for key, value in meta["scalars"].items():
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridnorm.train.checkpoint.format import CheckpointError, check_checkpoint, list_checkpoints
+from hybridnorm.train.checkpoint.layout import NewerFormatError
 
 CORRUPT_DIR = "corrupt"
 
@@ -72,12 +73,16 @@ def remember_good(ckpt: Path) -> None:
 
 
 def problem_of(ckpt: Path) -> str | None:
-    """Why ``ckpt`` is unusable (the :class:`CheckpointError` message naming the file), or None if it is good."""
+    """Why ``ckpt`` is unusable (the :class:`CheckpointError` message naming the file), or None if it is good.
+    A checkpoint of a newer format is not corrupt: its :class:`NewerFormatError` is raised, not returned, so that
+    no caller sets it aside."""
     sig = _signature(ckpt)
     if sig is not None and _good.get(ckpt.absolute()) == sig:
         return None
     try:
         check_checkpoint(ckpt)
+    except NewerFormatError:
+        raise
     except CheckpointError as e:
         return str(e)
     remember_good(ckpt)
@@ -97,6 +102,18 @@ def set_aside(ckpt: Path) -> Path:
     return dest
 
 
+_NEWER = "newer format"  # a marker, compared by identity
+
+
+def _problem_or_newer(ckpt: Path) -> str | None:
+    """:func:`problem_of`, with a newer format's checkpoint reported as :data:`_NEWER`: pruning leaves it where
+    it is, uncounted (this code cannot tell whether it is good)."""
+    try:
+        return problem_of(ckpt)
+    except NewerFormatError:
+        return _NEWER
+
+
 def prune_checkpoints(ckpt_root: str | Path, keep_last: int, just_written: Path) -> list[SetAside]:
     """Keep the newest ``keep_last`` good checkpoints (``just_written`` always, and counted); delete the ones
     older than that window; set aside (not count, not delete) corrupt ones met inside it. ``keep_last`` <= 0
@@ -111,9 +128,9 @@ def prune_checkpoints(ckpt_root: str | Path, keep_last: int, just_written: Path)
         elif kept >= keep_last:
             shutil.rmtree(ckpt, ignore_errors=True)
             _good.pop(ckpt.absolute(), None)
-        elif (problem := problem_of(ckpt)) is None:
+        elif (problem := _problem_or_newer(ckpt)) is None:
             kept += 1
-        else:
+        elif problem is not _NEWER:
             try:
                 moved.append(SetAside(ckpt, set_aside(ckpt), problem))
             except OSError:  # cannot move it: leave it where it is (still uncounted), never delete it
@@ -124,7 +141,9 @@ def prune_checkpoints(ckpt_root: str | Path, keep_last: int, just_written: Path)
 def checkpoint_for_resume(ckpt_root: str | Path, set_aside_bad: bool = True) -> ResumePoint:
     """The newest good checkpoint under ``ckpt_root``, setting aside each corrupt one newer than it (with
     ``set_aside_bad``; a DDP rank other than 0 only looks, after rank 0 has moved them). Raises
-    :class:`CheckpointError` naming the folder when checkpoints exist (or were set aside) but none is good."""
+    :class:`CheckpointError` naming the folder when checkpoints exist (or were set aside) but none is good, and
+    :class:`NewerFormatError` at a checkpoint of a newer format (left in place: an older one behind it would
+    resume the run from the past)."""
     root = Path(ckpt_root)
     moved: list[SetAside] = []
     for ckpt in reversed(list_checkpoints(root)):

@@ -5,8 +5,8 @@ Layout of one checkpoint (``<run>/checkpoints/step_000100/``)::
     model.safetensors       weights
     optimizer.safetensors   every optimizer state tensor, keyed ``state.<param index>.<name>``
     rng.safetensors         torch (and CUDA) RNG states
-    state.json              step, counters, optimizer hyper-parameters and the names/shapes of its tensors,
-                            data-loader position, extras
+    state.json              format version, step, counters, optimizer hyper-parameters and the names/shapes
+                            of its tensors, data-loader position, extras
     config.yaml             copies of the run's files as they were at this step (``run_files``; written by
     tokenizer.json          the trainer and by ``hybridnorm import``), so the folder opens on its own;
     tokenizer_config.json   only with a tokenizer whose end-of-text token its folder declared
@@ -54,7 +54,15 @@ from hybridnorm.train.checkpoint.format import (
     list_checkpoints,
     sha256_of,
 )
-from hybridnorm.train.checkpoint.layout import COMMON, KINDS, RUN_FILES, shard_file, shard_ranks
+from hybridnorm.train.checkpoint.layout import (
+    COMMON,
+    FORMAT_VERSION,
+    KINDS,
+    RUN_FILES,
+    NewerFormatError,
+    shard_file,
+    shard_ranks,
+)
 from hybridnorm.train.checkpoint.load import TrainState
 from hybridnorm.train.checkpoint.retention import prune_checkpoints
 from hybridnorm.train.checkpoint.shards import is_sharded, local_pieces
@@ -160,8 +168,8 @@ class _Save:
         those, then rename into place. ``data_files`` were written and fsynced before."""
         self.tensors("rng.safetensors", rng)
         self.where = self.tmp / "state.json"
-        _write_json(self.where, {"step": state.step, "tokens": state.tokens, "data": state.data,
-                                 "extra": state.extra, **body})
+        _write_json(self.where, {"format": FORMAT_VERSION, "step": state.step, "tokens": state.tokens,
+                                 "data": state.data, "extra": state.extra, **body})
         self.fsync(["rng.safetensors"])
         for name, data in run_files.items():
             self.where = self.tmp / name
@@ -347,12 +355,15 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def latest_checkpoint(ckpt_root: str | Path, *, why_none: list[str] | None = None) -> Path | None:
     """The newest checkpoint that passes :func:`check_checkpoint`; corrupt newer ones are skipped with a
-    warning (and left where they are: this only reads). With ``why_none``, a caller that makes no good
-    checkpoint an error gets each one's problem there (newest first) instead of the warnings."""
+    warning (and left where they are: this only reads); one of a newer format raises ``NewerFormatError``.
+    With ``why_none``, a caller that makes no good checkpoint an error gets each one's problem there (newest
+    first) instead of the warnings."""
     problems, good = [], None
     for path in reversed(list_checkpoints(ckpt_root)):
         try:
             check_checkpoint(path)
+        except NewerFormatError:  # not corrupt: skipping it would quietly read an older step instead
+            raise
         except CheckpointError as e:
             problems.append(str(e))
             continue
