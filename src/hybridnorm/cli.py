@@ -312,7 +312,8 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
         if args.debug:
             raise
         lost = isinstance(e, CollectiveError)  # a late or lost rank under torchrun: the input was fine
-        hint = "; resume from the newest complete checkpoint with --resume" if lost else ""
+        resumable = args.command in ("train", "compare", "sweep")  # eval and generate just run again
+        hint = "; resume from the newest complete checkpoint with --resume" if lost and resumable else ""
         print(f"error: {one_line(_path_option(e, parser, args, extra) or e)}{hint}", file=sys.stderr)  # one line
         return EXIT_FAILED if lost else EXIT_BAD_INPUT
     finally:

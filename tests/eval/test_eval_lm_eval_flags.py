@@ -109,3 +109,41 @@ def test_a_samples_file_that_cannot_be_written_is_one_error_naming_it(tmp_path):
     (tmp_path / "r_samples_t.jsonl").mkdir()  # a folder where the file goes
     with pytest.raises(ConfigError, match=r"cannot write --log-samples file .*r_samples_t\.jsonl"):
         write_samples(tmp_path / "r.json", {"t": []})
+
+
+@pytest.mark.parametrize("value", ["temperature=abc", "max_gen_toks=0", "top_p=5"])
+def test_a_bad_gen_kwargs_value_is_refused_before_any_task_is_scored(run_dir, tasks, value, capsys, monkeypatch):
+    """Before 2026-12-02 it was found at the first generation batch, after every other task had been scored."""
+    from hybridnorm.eval.lm_eval_adapter import HybridNormLM
+
+    def scored(*_a, **_k):
+        raise AssertionError("a request was scored before the bad --gen-kwargs was refused")
+
+    monkeypatch.setattr(HybridNormLM, "loglikelihood", scored)
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), "--tasks", "flag_mc,flag_gen", "--include-path", str(tasks),
+                     "--gen-kwargs", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: gen_kwargs='{value}': "), err
+    assert value.partition("=")[0] in err[0], err
+
+
+BAD_TASKS = {  # each fails while lm-eval builds its requests; before 2026-12-02 each was a traceback (exit 1)
+    "bad_field": (ROLL, "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{nosuchfield}}'\n"
+                        "metric_list:\n  - metric: word_perplexity\n"),
+    "bad_syntax": (ROLL, "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text'\n"
+                         "metric_list:\n  - metric: word_perplexity\n"),
+}
+
+
+@pytest.mark.parametrize(("task", "needle"), [("bad_field", "UndefinedError"), ("bad_syntax", "TemplateSyntaxError"),
+                                              ("bad_no_dataset", "bad_no_dataset")])
+def test_a_task_whose_template_or_dataset_is_broken_is_one_error_line(run_dir, tmp_path, task, needle, capsys):
+    folder = task_folder(tmp_path, BAD_TASKS)
+    (folder / "bad_no_dataset.yaml").write_text(  # no dataset_path: lm-eval fails with a TypeError
+        "task: bad_no_dataset\ntest_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+        "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n", encoding="utf-8")
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), "--tasks", task, "--include-path", str(folder), "--limit", "2"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith(("error", "Traceback"))]
+    assert len(err) == 1 and err[0].startswith(f"error: lm-eval could not run {task}: ") and needle in err[0], err

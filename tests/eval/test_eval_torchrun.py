@@ -61,6 +61,24 @@ def test_two_ranks_report_what_one_process_reports(run_dir: Path, tmp_path: Path
             assert [r["filtered_resps"] for r in recs[0]] == [r["filtered_resps"] for r in recs[1]]
 
 
+def test_a_task_with_fewer_documents_than_ranks_is_one_error_line_on_every_rank(run_dir: Path, tmp_path: Path) -> None:
+    """``--limit 1`` on 2 ranks: rank 1's share is empty. Before 2026-12-02 rank 1 blamed the task and rank 0
+    printed a 40-line gloo traceback (its collective's peer had gone)."""
+    args = ["eval", str(run_dir), "--tasks", "kjv_mc", "--limit", "1", "--batch-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = run_bounded([*TORCHRUN, "--nproc_per_node", "2", "-m", "hybridnorm.cli", *args], 300, env=env,
+                       cwd=tmp_path)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode != 0 and not any("hybridnorm" in ln for ln in lines if ln.strip().startswith("File ")), \
+        proc.stderr[-3000:]  # torchrun's own traceback (ChildFailedError) names no file of ours
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert any("rank 1 of 2" in ln and "at least 2 documents after --limit" in ln for ln in errors), errors
+    # rank 0 ends in one line too: its collective's peer went away (no --resume hint: eval just runs again),
+    # or torchrun's SIGTERM came first
+    zero = [ln for ln in lines if ln.startswith("interrupted:") or ln.startswith("error: rank 0 of 2: a collective")]
+    assert len(zero) == 1 and "--resume" not in zero[0], lines
+
+
 SCRIPT = """
 import json, sys
 from hybridnorm.eval import run_lm_eval

@@ -27,7 +27,7 @@ import torch
 
 from hybridnorm.data.tokenizer import Tokenizer, with_start
 from hybridnorm.errors import ConfigError
-from hybridnorm.eval.scoring import GREEDY, cut_at_stop, generate_until, shows_stop
+from hybridnorm.eval.scoring import GREEDY, context_room, cut_at_stop, generate_until, shows_stop
 from hybridnorm.nn.model import TransformerLM, left_padded
 from hybridnorm.nn.sampling import Sampling
 
@@ -37,14 +37,14 @@ def generate_until_batch(model: TransformerLM, tokenizer: Tokenizer, contexts: S
                          until: Sequence[str] = (), max_gen_toks: int = 256, stop_ids: Sequence[int] = (),
                          sampling: Sampling = GREEDY, generator: torch.Generator | None = None) -> list[str]:
     """:func:`~hybridnorm.eval.scoring.generate_until` of each of ``contexts`` (same arguments), computed as
-    one batch. Where the longest context + ``max_gen_toks`` does not fit the model's window (the plain twin
-    then slides the window per reply; ``HFLM`` refuses), the requests run one at a time."""
+    one batch. Where ``max_gen_toks`` fills the model's window (the plain twin then slides the window per reply;
+    ``HFLM`` refuses), the requests run one at a time."""
     if max_gen_toks < 0:
         raise ConfigError(f"max_gen_toks={max_gen_toks} must be >= 0")
     if not contexts:
         return []
     max_len, vocab, eot = model.config.max_seq_len, model.config.vocab_size, tokenizer.eot_id
-    room = max(max_len // 2, max_len - max_gen_toks, 1)  # the plain twin's left truncation
+    room = context_room(max_len, max_gen_toks)  # the plain twin's left truncation, HFLM's
     rows = [with_start(tokenizer, tokenizer.encode(c))[-room:] for c in contexts]
     B, P = len(rows), max(map(len, rows))
     if P + max_gen_toks > max_len:

@@ -35,12 +35,13 @@ from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
 from hybridnorm.eval.batched_generation import generate_until_batch
-from hybridnorm.eval.lm_eval_ranks import RankedLM, launched_local_rank
+from hybridnorm.eval.lm_eval_ranks import RANK_WAIT_S, RankedLM, launched_local_rank
 from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.scoring import encode_pair, loglikelihood, loglikelihood_rolling
 from hybridnorm.loading import Run, load_run
 from hybridnorm.nn.sampling import Sampling, check_sampling
 from hybridnorm.nn.sampling_defaults import FIELDS
+from hybridnorm.train.distributed import collective_error, current_dist
 
 PIP_HINT = "pip install 'hybridnorm[eval]'"
 OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
@@ -318,6 +319,9 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         lm.chat_template_args = template_args
     if apply_chat_template:
         lm.chat_template(True)  # no template of that name: one error now, not after the tasks are built
+    if gen_kwargs:
+        _check_gen_kwargs(lm, gen_kwargs)  # now, not after every other task has been scored
+    from jinja2.exceptions import TemplateError
     from lm_eval import simple_evaluate
 
     try:
@@ -331,8 +335,18 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                                   device=str(lm.device))  # recorded in "config" only
     except ConfigError:
         raise
-    except (OSError, ValueError, KeyError, ImportError) as e:  # a task's YAML or dataset: bad input, one line
+    except RuntimeError as e:  # another rank failed and left (its own line says why): this one's collective ends
+        lost = collective_error(e, current_dist(), RANK_WAIT_S)
+        if lost is None:
+            raise
+        raise lost from e
+    # a task's YAML, template, dataset or !function module: bad input, one line
+    except (OSError, ValueError, KeyError, ImportError, TypeError, SyntaxError, TemplateError) as e:
         msg = " ".join(str(e).split())
+        if lm.world_size > 1 and "did not find any docs" in msg:  # this rank's share of a task is empty
+            msg += (f" (rank {lm.rank} of {lm.world_size}: lm-eval splits each task's documents across the "
+                    f"{lm.world_size} processes, one in {lm.world_size} each, so every task needs at least "
+                    f"{lm.world_size} documents after --limit; use a larger --limit or fewer processes)")
         raise ConfigError(f"lm-eval could not run {', '.join(names)}: {type(e).__name__}: {msg}") from e
     if results is None:
         if lm.world_size > 1 and lm.rank != 0:
@@ -345,6 +359,21 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         chat_template_args=lm.chat_template_args if apply_chat_template else None,
         fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction)
     return results
+
+
+def _check_gen_kwargs(lm: HybridNormLM, gen_kwargs: str | dict[str, Any]) -> None:
+    """The values of ``gen_kwargs`` as :meth:`HybridNormLM.generate_until` will check them (lm-eval merges
+    them into each generation task's own, and parses a string as ``lm_eval --gen_kwargs`` does)."""
+    from lm_eval.utils import simple_parse_args_string
+
+    given = simple_parse_args_string(gen_kwargs) if isinstance(gen_kwargs, str) else dict(gen_kwargs)
+    try:
+        for key in MAX_GEN_TOKS_KEYS:
+            if given.get(key) is not None:
+                _positive_int(given[key], key)
+        lm._sampling(given)
+    except ConfigError as e:
+        raise ConfigError(f"gen_kwargs={gen_kwargs!r}"[:300] + f": {e}") from None
 
 
 def metric_rows(results: dict[str, Any]) -> list[tuple[str, str, float, float, int | None]]:

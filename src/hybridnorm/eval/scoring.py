@@ -198,6 +198,13 @@ def greedy_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until
     return generate_until(model, tokenizer, context, until, max_gen_toks, stop_ids)
 
 
+def context_room(max_len: int, max_gen_toks: int) -> int:
+    """How many of a context's last tokens a reply of ``max_gen_toks`` tokens keeps in a window of ``max_len``:
+    HFLM's ``max_length - max_gen_toks`` (before 2026-12-02 at least half the window, so that a reply of more
+    than half the window saw another context than HFLM's); half the window where HFLM refuses to generate."""
+    return max_len - max_gen_toks if max_gen_toks < max_len else max(max_len // 2, 1)
+
+
 @torch.inference_mode()
 def generate_until(model: TransformerLM, tokenizer: Tokenizer, context: str, until: Sequence[str] = (),
                    max_gen_toks: int = 256, stop_ids: Sequence[int] = (), sampling: Sampling = GREEDY,
@@ -209,15 +216,16 @@ def generate_until(model: TransformerLM, tokenizer: Tokenizer, context: str, unt
     the reply's, as transformers' does), a draw from ``generator`` (default: torch's global one, which
     lm-eval seeds). The reply is decoded without special tokens, as HFLM decodes it.
 
-    As in HFLM the context is left-truncated to leave room for ``max_gen_toks`` new tokens, but it keeps at
-    least half the window (HFLM refuses ``max_gen_toks >= max_seq_len``); when the window is full,
-    generation slides on from its last half.
+    As in HFLM the context is left-truncated to its last ``max_seq_len - max_gen_toks`` tokens, leaving room for
+    ``max_gen_toks`` new ones (:func:`context_room`). Where ``max_gen_toks >= max_seq_len`` (HFLM refuses
+    that) it keeps the last half of the window, and when the window is full generation slides on from its last
+    half.
     """
     if max_gen_toks < 0:
         raise ConfigError(f"max_gen_toks={max_gen_toks} must be >= 0")
     max_len, vocab, stops = model.config.max_seq_len, model.config.vocab_size, {tokenizer.eot_id, *stop_ids}
     device = model.embed.weight.device
-    ids = with_start(tokenizer, tokenizer.encode(context))[-max(max_len // 2, max_len - max_gen_toks, 1):]
+    ids = with_start(tokenizer, tokenizer.encode(context))[-context_room(max_len, max_gen_toks):]
     seen = None
     if sampling.repetition_penalty != 1.0:  # (1, V) the tokens the penalty applies to
         seen = torch.zeros(1, vocab, dtype=torch.bool, device=device)
