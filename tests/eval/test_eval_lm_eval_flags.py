@@ -94,6 +94,8 @@ def test_gen_kwargs_act_as_the_same_settings_written_into_the_task(run_dir, task
     (["--mc", "q.jsonl", "--log-samples", "--output", "r.json"], ["--log-samples", "only for lm-eval tasks"]),
     (["--mc", "q.jsonl", "--gen-kwargs", "temperature=1"], ["--gen-kwargs", "only for lm-eval tasks"]),
     (["--tasks", "kjv_mc", "--gen-kwargs", "do_sample=true,temperature"], ["'temperature' is not key=value"]),
+    (["--tasks", "kjv_mc", "--seq-len", "5"], ["--seq-len: only for the validation loss"]),  # was: ignored
+    (["--mc", "q.jsonl", "--data", "nope", "--batches", "2"], ["--data, --batches: only for the validation loss"]),
 ])
 def test_bad_flags_are_one_error_line(run_dir, argv, needles, capsys):
     capsys.readouterr()

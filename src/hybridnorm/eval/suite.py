@@ -76,6 +76,11 @@ class EvalRequest(Config):
             raise ConfigError("--log-samples writes its files beside --output FILE.json: give --output")
         if not (self.mc or self.text or self.tasks) and self.limit is not None:
             raise ConfigError("--limit only applies to --mc and --tasks")
+        loss_only = {"--data": self.data, "--batches": self.batches is not None, "--seq-len": self.seq_len is not None}
+        if (self.mc or self.text or self.tasks) and any(loss_only.values()):  # they were ignored without a word
+            raise ConfigError(f"{', '.join(k for k, v in loss_only.items() if v)}: only for the validation loss "
+                              "(eval without --mc, --text or --tasks); --text scores whole documents, lm-eval "
+                              "tasks the model's window")
         if self.tasks is not None and not task_names(self.tasks):
             raise ConfigError(f"--tasks must be a comma-separated list, got {self.tasks!r}")
 
