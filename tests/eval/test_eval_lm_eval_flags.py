@@ -149,3 +149,26 @@ def test_a_task_whose_template_or_dataset_is_broken_is_one_error_line(run_dir, t
     assert cli.main(["eval", str(run_dir), "--tasks", task, "--include-path", str(folder), "--limit", "2"]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith(("error", "Traceback"))]
     assert len(err) == 1 and err[0].startswith(f"error: lm-eval could not run {task}: ") and needle in err[0], err
+
+
+def test_an_unknown_task_names_the_task_files_that_do_not_parse(run_dir, tmp_path, capsys):
+    """lm-eval skips a task file that is not YAML without a word: before 2026-12-02 the task was only unknown."""
+    folder = task_folder(tmp_path, {"good_roll": (ROLL, TASKS["flag_roll"][1])})
+    (folder / "broken.yaml").write_text("task: broken\ndoc_to_text: [unclosed\n", encoding="utf-8")
+    (folder / "tagged.yaml").write_text("task: tagged\ncustom_dataset: !function mod.load\n", encoding="utf-8")
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), "--tasks", "broken", "--include-path", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown lm-eval task(s) 'broken'" in err[0], err
+    assert f"do not parse, and lm-eval skipped them: {folder / 'broken.yaml'} (" in err[0], err
+    assert "tagged.yaml" not in err[0] and "good_roll" not in err[0]  # lm-eval's tags are YAML
+
+
+def test_a_task_whose_metric_does_not_apply_is_named_under_the_table(run_dir, tmp_path, capsys):
+    """lm-eval computes no ``acc`` for a rolling task and says nothing: an empty table and exit 0 before."""
+    folder = task_folder(tmp_path, {"roll_acc": (ROLL, "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+                                                       "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: acc\n")})
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), "--tasks", "roll_acc", "--include-path", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "roll_acc: lm-eval computed no metric (does its metric_list apply to its output_type?)" in out, out

@@ -35,6 +35,7 @@ from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
 from hybridnorm.eval.batched_generation import generate_until_batch
+from hybridnorm.eval.lm_eval_checks import MAX_GEN_TOKS_KEYS, check_gen_kwargs, positive_int, unreadable_yaml
 from hybridnorm.eval.lm_eval_ranks import RANK_WAIT_S, RankedLM, launched_local_rank
 from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.scoring import encode_pair, loglikelihood, loglikelihood_rolling
@@ -45,7 +46,6 @@ from hybridnorm.train.distributed import collective_error, current_dist
 
 PIP_HINT = "pip install 'hybridnorm[eval]'"
 OFFLINE_ENV = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-MAX_GEN_TOKS_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's order
 
 try:  # the optional extra; lm_eval.api.* does not import datasets, so this stays cheap
     from lm_eval.api.model import LM as _LMBase
@@ -65,16 +65,6 @@ def require_lm_eval() -> None:
 def use_offline_defaults() -> None:
     for var in OFFLINE_ENV:
         os.environ.setdefault(var, "1")
-
-
-def _positive_int(value: object, name: str) -> int:
-    try:
-        n = int(value)  # model_args arrive as strings from the lm-eval command line
-    except (TypeError, ValueError):
-        n = 0
-    if n < 1 or (isinstance(value, float) and value != n):
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
-    return n
 
 
 class HybridNormLM(RankedLM, _LMBase):
@@ -111,12 +101,12 @@ class HybridNormLM(RankedLM, _LMBase):
             self.chat_template_args["enable_thinking"] = False
         self._chat: Any = None  # the run's ChatFormatter, built on first use
         spec = BatchSize.parse(batch_size)  # bad values: before the minutes of loading
-        max_batch = MAX_BATCH if max_batch_size is None else _positive_int(max_batch_size, "max_batch_size")
+        max_batch = MAX_BATCH if max_batch_size is None else positive_int(max_batch_size, "max_batch_size")
         run = pretrained if isinstance(pretrained, Run) else load_run(pretrained)
         self.run, self.model, self.tokenizer = run, run.model, run.tokenizer
         self.batch_size: int | str = spec.rows or str(spec)  # as given: what lm-eval records
         self.rows = AutoBatch(self.model, spec, max_batch)
-        self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
+        self.max_gen_toks = positive_int(max_gen_toks, "max_gen_toks")
         if device is None:
             device = str(self.model.embed.weight.device) if isinstance(pretrained, Run) else \
                 (f"cuda:{launched_local_rank()}" if torch.cuda.is_available() else "cpu")
@@ -210,7 +200,7 @@ class HybridNormLM(RankedLM, _LMBase):
                                   f"of strings (the stop strings)")
             max_gen = next((kwargs[k] for k in MAX_GEN_TOKS_KEYS if kwargs.get(k) is not None), self.max_gen_toks)
             texts = generate_until_batch(self.model, self.tokenizer, contexts, [*until, eot],
-                                         _positive_int(max_gen, "max_gen_toks"), stop_ids=self.run.stop_ids,
+                                         positive_int(max_gen, "max_gen_toks"), stop_ids=self.run.stop_ids,
                                          sampling=self._sampling(kwargs))
             for args, text in zip(chunk, texts, strict=True):
                 self.cache_hook.add_partial("generate_until", args, text)
@@ -267,7 +257,8 @@ def task_manager(tasks: Sequence[str], include_path: str | Path | Sequence[str |
     unknown = [t for t in tasks if not _task_known(tm, t)]
     if unknown:
         where = ", ".join(paths) + (" and lm-eval's built-in tasks" if include_defaults else "")
-        raise ConfigError(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}; looked in {where}")
+        raise ConfigError(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}; looked in {where}"
+                          + unreadable_yaml(extra))
     return tm
 
 
@@ -320,7 +311,7 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
     if apply_chat_template:
         lm.chat_template(True)  # no template of that name: one error now, not after the tasks are built
     if gen_kwargs:
-        _check_gen_kwargs(lm, gen_kwargs)  # now, not after every other task has been scored
+        check_gen_kwargs(lm, gen_kwargs)  # now, not after every other task has been scored
     from jinja2.exceptions import TemplateError
     from lm_eval import simple_evaluate
 
@@ -359,21 +350,6 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         chat_template_args=lm.chat_template_args if apply_chat_template else None,
         fewshot_as_multiturn=fewshot_as_multiturn, system_instruction=system_instruction)
     return results
-
-
-def _check_gen_kwargs(lm: HybridNormLM, gen_kwargs: str | dict[str, Any]) -> None:
-    """The values of ``gen_kwargs`` as :meth:`HybridNormLM.generate_until` will check them (lm-eval merges
-    them into each generation task's own, and parses a string as ``lm_eval --gen_kwargs`` does)."""
-    from lm_eval.utils import simple_parse_args_string
-
-    given = simple_parse_args_string(gen_kwargs) if isinstance(gen_kwargs, str) else dict(gen_kwargs)
-    try:
-        for key in MAX_GEN_TOKS_KEYS:
-            if given.get(key) is not None:
-                _positive_int(given[key], key)
-        lm._sampling(given)
-    except ConfigError as e:
-        raise ConfigError(f"gen_kwargs={gen_kwargs!r}"[:300] + f": {e}") from None
 
 
 def metric_rows(results: dict[str, Any]) -> list[tuple[str, str, float, float, int | None]]:

@@ -170,7 +170,12 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
         if res is None:  # another rank's share of a data-parallel evaluation: rank 0 reports it
             return {}
         sizer.sizes += res["config"].get("batch_sizes") or []
-        table += metric_rows(res)
+        rows = metric_rows(res)
+        table += rows
+        scored = {r[0] for r in rows}
+        for task in (t for t in res.get("results", {}) if t not in scored and t not in res.get("groups", {})):
+            # lm-eval reports such a task without a word: an empty row where a number was expected
+            notes.append(f"{task}: lm-eval computed no metric (does its metric_list apply to its output_type?)")
         if req.apply_chat_template or req.system_instruction is not None:
             notes.append(f"lm-eval prompts: {_prompt_note(res['config'])}")
         out["lm_eval"] = {k: v for k, v in res.items() if k != "samples"}
