@@ -149,6 +149,7 @@ def _wordlevel_without_unk(path: Path) -> Path:
     ("a path of 100,000 characters", ["--data.source: File name too long", "characters left out", "aaaa"]),
     ("a FIFO as the data", ["data.source", "fifo.txt", "not a regular file"]),  # was: waited forever
     ("a batch whose activations cannot fit", ["batch_size=10000000 x seq_len=", "activations one micro-batch"]),
+    ("the root folder as data", ["--out", "inside the input folder data.source=/:"]),  # hypothesis found it
 ])
 def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsys, corpus: Path, case: str,
                                                            needles: list[str]) -> None:
@@ -171,7 +172,8 @@ def test_found_by_the_2026_12_probe_each_is_one_error_line(tmp_path: Path, capsy
                                           "--placements", "pre", "--seeds", "0", "--seq-len", "16"],
             "a path of 100,000 characters": ["train", *out, f"--data.source={tmp_path / ('a' * 100_000)}"],
             "a FIFO as the data": ["train", *out, f"--data.source={tmp_path / 'fifo.txt'}"],
-            "a batch whose activations cannot fit": ["train", *out, "--batch_size=10000000"]}[case]
+            "a batch whose activations cannot fit": ["train", *out, "--batch_size=10000000"],
+            "the root folder as data": ["train", *out, "--data.source=/"]}[case]
     line = assert_refused(argv, capsys, needles, tmp_path)
     assert "val_fraction" not in line and len(line) <= len("error: ") + ERROR_CHARS
     assert not (tmp_path / "out").exists()  # nothing made for a command refused before it starts

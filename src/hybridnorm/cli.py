@@ -55,7 +55,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     cfg = _config(args, extra)
     # the trainer applies the same rule to out_dir alone; here it also knows the corpus folder it reads
-    check_output_folder(cfg.out_dir, "out_dir (--out)", may_hold=("run",), inputs=[cfg.data.source])
+    check_output_folder(cfg.out_dir, "out_dir (--out)", may_hold=("run",), inputs=[("data.source", cfg.data.source)])
     result = train(cfg, resume=args.resume)  # under main's process_signals
     leave()  # under torchrun: every rank leaves the group together
     if result.diverged:

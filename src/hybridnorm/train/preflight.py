@@ -284,19 +284,22 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def check_output_folder(path: str | Path, what: str, *, may_hold: tuple[str, ...] = (),
-                        inputs: Iterable[str | Path | None] = ()) -> Path:
+                        inputs: Iterable[str | Path | tuple[str, str | Path] | None] = ()) -> Path:
     """The one output-folder rule (module docstring): ConfigError naming ``path`` (as ``what``, e.g.
     "--out") unless it is writable (:func:`check_writable_dir`), is none of ``inputs`` and lies inside none
-    of them, and is missing, empty, or of a kind in ``may_hold`` (``"run"``). Creates nothing."""
+    of them, and is missing, empty, or of a kind in ``may_hold`` (``"run"``). An input given as (option,
+    path) is named by its option too (``data.source=/``). Creates nothing."""
     path = check_writable_dir(path, what)
     here = path.resolve()
     for given in inputs:
+        option, given = given if isinstance(given, tuple) else ("", given)
         if given is None:
             continue
         source = Path(given).resolve()
         if source.is_dir() and _inside(here, source):
+            named = f"{option}={given}" if option else str(given)
             raise ConfigError(f"{what} {path} is {'the input folder' if here == source else 'inside the input folder'}"
-                              f" {given}: the command never writes into what it reads; choose another folder")
+                              f" {named}: the command never writes into what it reads; choose another folder")
     kind = folder_kind(path)
     if kind in ("missing", "empty") or kind in may_hold:
         return path
