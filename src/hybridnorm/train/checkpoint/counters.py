@@ -27,18 +27,10 @@ from pathlib import Path
 
 import torch
 
-from hybridnorm.train.checkpoint.layout import CheckpointError, short_int
+from hybridnorm.train.checkpoint.layout import CheckpointError, is_int, malformed, short_int
 
 # the data-loader position TokenBatches.state_dict writes: all integers
 DATA_KEYS = ("epoch", "step", "seed", "seq_len", "global_batch", "n_tokens", "per_step")  # per_step: see loader
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
-
-
-def _bad(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint file {path} is malformed: {what}"[:500])
 
 
 def check_data(path: Path, data: object, step: int, tokens: int) -> None:
@@ -46,30 +38,30 @@ def check_data(path: Path, data: object, step: int, tokens: int) -> None:
     checked before) it must agree with: empty (an imported model's step 0) or TokenBatches' integers, within
     the bounds of the module docstring."""
     if not isinstance(data, dict):
-        raise _bad(path, f"'data' must be an object, got {type(data).__name__}")
+        raise malformed(path, f"'data' must be an object, got {type(data).__name__}")
     if not data:
         return
     for key, value in data.items():
-        if key not in DATA_KEYS or not _is_int(value) or value < 0:
-            raise _bad(path, f"'data' holds {key!r}: {value!r}; expected integers >= 0 among {DATA_KEYS}"[:300])
+        if key not in DATA_KEYS or not is_int(value) or value < 0:
+            raise malformed(path, f"'data' holds {key!r}: {value!r}; expected integers >= 0 among {DATA_KEYS}"[:300])
     for key in ("epoch", "step"):
         if key not in data:
-            raise _bad(path, f"'data' has no {key!r}")
+            raise malformed(path, f"'data' has no {key!r}")
     if not all(data.get(k, 0) > 0 for k in ("n_tokens", "seq_len", "global_batch")):
         if data["epoch"] > tokens:
-            raise _bad(path, f"'data' epoch {short_int(data['epoch'])} is more epochs than the {tokens} tokens "
+            raise malformed(path, f"'data' epoch {short_int(data['epoch'])} is more epochs than the {tokens} tokens "
                              "trained could finish")
         return
     # the same arithmetic as TokenBatches: a position past the end of its own epoch is not a position
     steps_per_epoch = ((data["n_tokens"] - 1) // data["seq_len"]) // data["global_batch"]
     if data["step"] >= max(steps_per_epoch, 1):
-        raise _bad(path, f"'data' step {short_int(data['step'])} is past its epoch of {steps_per_epoch} steps")
+        raise malformed(path, f"'data' step {short_int(data['step'])} is past its epoch of {steps_per_epoch} steps")
     step_tokens = data["global_batch"] * data["seq_len"]
     if data.get("per_step") and tokens > step * step_tokens:
-        raise _bad(path, f"'tokens' is {short_int(tokens)}, more than {step} steps of {step_tokens} tokens "
+        raise malformed(path, f"'tokens' is {short_int(tokens)}, more than {step} steps of {step_tokens} tokens "
                          "('data': global_batch x seq_len) could train")
     if data["epoch"] * max(steps_per_epoch, 1) * step_tokens > tokens:
-        raise _bad(path, f"'data' epoch {short_int(data['epoch'])} is more epochs of {steps_per_epoch} steps of "
+        raise malformed(path, f"'data' epoch {short_int(data['epoch'])} is more epochs of {steps_per_epoch} steps of "
                          f"{step_tokens} tokens than the {short_int(tokens)} tokens trained could finish")
 
 

@@ -30,7 +30,9 @@ from hybridnorm.train.checkpoint.layout import (
     CheckpointError,
     check_format_version,
     index_pieces,
+    is_int,
     layout_files,
+    malformed,
     shard_ranks,
     tensor_header,
 )
@@ -63,10 +65,6 @@ def sha256_of(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a step count
 
 
 def _is_number(v: object) -> bool:
@@ -106,7 +104,7 @@ def read_manifest(ckpt: Path) -> dict[str, dict[str, Any]]:
         entry = manifest.get(name)
         if entry is None:
             raise CheckpointError(f"checkpoint file {path} is malformed: no entry for {name}")
-        if not (isinstance(entry, dict) and _is_int(entry.get("bytes")) and entry["bytes"] >= 0
+        if not (isinstance(entry, dict) and is_int(entry.get("bytes")) and entry["bytes"] >= 0
                 and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
             raise CheckpointError(f"checkpoint file {path} is malformed: the entry for {name} must be "
                                   f'{{"bytes": <int >= 0>, "sha256": <64 hex digits>}}, got {entry!r}'[:400])
@@ -182,63 +180,59 @@ def _check_file(ckpt: Path, name: str, want: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint file {f} is corrupt (sha256 differs from {ckpt / MANIFEST})")
 
 
-def _bad_state(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint file {path} is malformed: {what}"[:500])
-
-
 def _check_extra(path: Path, extra: object) -> None:
     if not isinstance(extra, dict):
-        raise _bad_state(path, f"'extra' must be an object, got {type(extra).__name__}")
+        raise malformed(path, f"'extra' must be an object, got {type(extra).__name__}")
     spikes = extra.get("spike_detector", {})
     if not (isinstance(spikes, dict) and all(isinstance(v, list) and all(_is_number(x) for x in v)
                                              for v in spikes.values())):
-        raise _bad_state(path, "'extra.spike_detector' must map metric names to lists of numbers")
+        raise malformed(path, "'extra.spike_detector' must map metric names to lists of numbers")
 
 
 def _check_group(path: Path, i: int, group: object) -> list[int]:
     if not isinstance(group, dict):
-        raise _bad_state(path, f"optimizer.param_groups[{i}] must be an object, got {type(group).__name__}")
+        raise malformed(path, f"optimizer.param_groups[{i}] must be an object, got {type(group).__name__}")
     params = group.get("params")
-    if not (isinstance(params, list) and params and all(_is_int(p) and p >= 0 for p in params)):
-        raise _bad_state(path, f"optimizer.param_groups[{i}].params must be a non-empty list of indices")
+    if not (isinstance(params, list) and params and all(is_int(p) and p >= 0 for p in params)):
+        raise malformed(path, f"optimizer.param_groups[{i}].params must be a non-empty list of indices")
     for key, value in group.items():
         if key in _GROUP_NUMBERS and not _is_number(value):
-            raise _bad_state(path, f"optimizer.param_groups[{i}].{key} must be a number, got {value!r}")
+            raise malformed(path, f"optimizer.param_groups[{i}].{key} must be a number, got {value!r}")
         if key in _GROUP_FLAGS and not (value is None or isinstance(value, bool)):
-            raise _bad_state(path, f"optimizer.param_groups[{i}].{key} must be true, false or null, got {value!r}")
+            raise malformed(path, f"optimizer.param_groups[{i}].{key} must be true, false or null, got {value!r}")
         if key == "betas" and not (isinstance(value, list) and len(value) == 2 and all(map(_is_number, value))):
-            raise _bad_state(path, f"optimizer.param_groups[{i}].betas must be two numbers, got {value!r}")
+            raise malformed(path, f"optimizer.param_groups[{i}].betas must be two numbers, got {value!r}")
         if key != "params" and isinstance(value, dict):
-            raise _bad_state(path, f"optimizer.param_groups[{i}].{key} must not be an object")
+            raise malformed(path, f"optimizer.param_groups[{i}].{key} must not be an object")
     return params
 
 
 def _check_optimizer_meta(path: Path, meta: object) -> None:
     if not isinstance(meta, dict):
-        raise _bad_state(path, f"'optimizer' must be an object, got {type(meta).__name__}")
+        raise malformed(path, f"'optimizer' must be an object, got {type(meta).__name__}")
     groups = meta.get("param_groups")
     if not isinstance(groups, list) or not groups:
-        raise _bad_state(path, "'optimizer.param_groups' must be a non-empty list")
+        raise malformed(path, "'optimizer.param_groups' must be a non-empty list")
     ids = [p for i, g in enumerate(groups) for p in _check_group(path, i, g)]
     if len(ids) != len(set(ids)):
-        raise _bad_state(path, "a parameter index appears twice in optimizer.param_groups")
+        raise malformed(path, "a parameter index appears twice in optimizer.param_groups")
     scalars = meta.get("scalars")
     if not isinstance(scalars, dict):
-        raise _bad_state(path, "'optimizer.scalars' must be an object")
+        raise malformed(path, "'optimizer.scalars' must be an object")
     for key, value in scalars.items():
         idx, _, name = key.partition(".")
         key_ok = idx.isascii() and idx.isdigit() and int(idx) in ids and bool(name)
         if not key_ok or not (value is None or isinstance(value, (int, float))):
-            raise _bad_state(path, f"optimizer.scalars holds {key!r}: {value!r}; expected '<param index>.<name>': "
+            raise malformed(path, f"optimizer.scalars holds {key!r}: {value!r}; expected '<param index>.<name>': "
                                    "a number")
     names = meta.get("param_names")  # absent in checkpoints written before it was recorded
     if names is not None and not (isinstance(names, dict) and all(
             k.isascii() and k.isdigit() and int(k) in ids and isinstance(v, str) for k, v in names.items())):
-        raise _bad_state(path, "'optimizer.param_names' must map parameter indices to weight names")
+        raise malformed(path, "'optimizer.param_names' must map parameter indices to weight names")
     tensors = meta.get("tensors")  # absent in checkpoints written before it was recorded
     if tensors is not None and not (isinstance(tensors, dict) and all(
-            isinstance(s, list) and all(_is_int(n) and n >= 0 for n in s) for s in tensors.values())):
-        raise _bad_state(path, "'optimizer.tensors' must map tensor names to shapes (lists of integers)")
+            isinstance(s, list) and all(is_int(n) and n >= 0 for n in s) for s in tensors.values())):
+        raise malformed(path, "'optimizer.tensors' must map tensor names to shapes (lists of integers)")
 
 
 def read_state(ckpt: Path) -> dict[str, Any]:
@@ -246,17 +240,17 @@ def read_state(ckpt: Path) -> dict[str, Any]:
     path = ckpt / "state.json"
     body = read_json(path)
     if not isinstance(body, dict):
-        raise _bad_state(path, f"expected a JSON object, got {type(body).__name__}")
-    for key, check in (("step", _is_int), ("tokens", _is_int), ("data", None), ("extra", None), ("optimizer", None)):
+        raise malformed(path, f"expected a JSON object, got {type(body).__name__}")
+    for key, check in (("step", is_int), ("tokens", is_int), ("data", None), ("extra", None), ("optimizer", None)):
         if key not in body:
-            raise _bad_state(path, f"the key {key!r} is missing")
+            raise malformed(path, f"the key {key!r} is missing")
         if check is not None and not (check(body[key]) and body[key] >= 0):
-            raise _bad_state(path, f"{key!r} must be an integer >= 0, got {body[key]!r}")
+            raise malformed(path, f"{key!r} must be an integer >= 0, got {body[key]!r}")
     version = body.get("format", 1)  # absent: written before the version was recorded, format 1
-    if not (_is_int(version) and 1 <= version <= FORMAT_VERSION):  # newer: check_format_version refused it
-        raise _bad_state(path, f"'format' must be a format version from 1 to {FORMAT_VERSION}, got {version!r}")
+    if not (is_int(version) and 1 <= version <= FORMAT_VERSION):  # newer: check_format_version refused it
+        raise malformed(path, f"'format' must be a format version from 1 to {FORMAT_VERSION}, got {version!r}")
     if (m := _STEP_DIR.match(ckpt.name)) and int(m.group(1)) != body["step"]:
-        raise _bad_state(path, f"'step' is {body['step']} in the checkpoint folder of step {int(m.group(1))}")
+        raise malformed(path, f"'step' is {body['step']} in the checkpoint folder of step {int(m.group(1))}")
     check_data(path, body["data"], body["step"], body["tokens"])
     _check_extra(path, body["extra"])
     _check_optimizer_meta(path, body["optimizer"])
@@ -325,20 +319,20 @@ def _check_shards_meta(ckpt: Path, body: dict[str, Any], files: tuple[str, ...])
     shards = body.get("shards")
     if not ranks:
         if shards is not None:
-            raise _bad_state(path, f"'shards' describes a sharded checkpoint, but {ckpt / MANIFEST} lists "
+            raise malformed(path, f"'shards' describes a sharded checkpoint, but {ckpt / MANIFEST} lists "
                                    "model.safetensors")
         return []
     if not isinstance(shards, dict):
-        raise _bad_state(path, f"a sharded checkpoint needs 'shards' (an object), got {shards!r}")
+        raise malformed(path, f"a sharded checkpoint needs 'shards' (an object), got {shards!r}")
     if shards.get("ranks") != ranks:
-        raise _bad_state(path, f"'shards.ranks' is {shards.get('ranks')!r}, but {ckpt / MANIFEST} lists the "
+        raise malformed(path, f"'shards.ranks' is {shards.get('ranks')!r}, but {ckpt / MANIFEST} lists the "
                                f"files of ranks {ranks}")
     model = shards.get("model")
     if not (isinstance(model, dict) and model and all(
-            isinstance(s, list) and all(_is_int(n) and n >= 0 for n in s) for s in model.values())):
-        raise _bad_state(path, "'shards.model' must map weight names to shapes (lists of integers)")
+            isinstance(s, list) and all(is_int(n) and n >= 0 for n in s) for s in model.values())):
+        raise malformed(path, "'shards.model' must map weight names to shapes (lists of integers)")
     if body["optimizer"].get("tensors") is None:
-        raise _bad_state(path, "a sharded checkpoint must record 'optimizer.tensors' (the global shapes)")
+        raise malformed(path, "a sharded checkpoint must record 'optimizer.tensors' (the global shapes)")
     return ranks
 
 

@@ -73,6 +73,16 @@ class CheckpointError(ConfigError):
         super().__init__(" ".join(message.splitlines()))  # the CLI prints it as ONE error: line
 
 
+def is_int(v: object) -> bool:
+    """A JSON integer: ``true`` is not a count."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def malformed(path: Path, what: str) -> CheckpointError:
+    """The error for a ``state.json`` whose content breaks its schema (a corrupt checkpoint: set aside)."""
+    return CheckpointError(f"checkpoint file {path} is malformed: {what}"[:500])
+
+
 class NewerFormatError(CheckpointError):
     """A checkpoint written in a newer format than this code reads. Not corrupt: it is never set aside (retention
     re-raises it), only refused."""
@@ -89,7 +99,7 @@ def check_format_version(ckpt: Path) -> None:
     except (OSError, ValueError):  # ValueError: bad JSON, bad UTF-8, absurd nesting
         return
     found = body.get("format") if isinstance(body, dict) else None
-    if isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION:
+    if is_int(found) and found > FORMAT_VERSION:
         raise NewerFormatError(f"checkpoint {ckpt}: checkpoint format {short_int(found)} (in {path}) is newer than "
                                f"this hybridnorm reads ({FORMAT_VERSION}); upgrade hybridnorm to read it")
 

@@ -102,18 +102,6 @@ def set_aside(ckpt: Path) -> Path:
     return dest
 
 
-_NEWER = "newer format"  # a marker, compared by identity
-
-
-def _problem_or_newer(ckpt: Path) -> str | None:
-    """:func:`problem_of`, with a newer format's checkpoint reported as :data:`_NEWER`: pruning leaves it where
-    it is, uncounted (this code cannot tell whether it is good)."""
-    try:
-        return problem_of(ckpt)
-    except NewerFormatError:
-        return _NEWER
-
-
 def prune_checkpoints(ckpt_root: str | Path, keep_last: int, just_written: Path) -> list[SetAside]:
     """Keep the newest ``keep_last`` good checkpoints (``just_written`` always, and counted); delete the ones
     older than that window; set aside (not count, not delete) corrupt ones met inside it. ``keep_last`` <= 0
@@ -128,9 +116,14 @@ def prune_checkpoints(ckpt_root: str | Path, keep_last: int, just_written: Path)
         elif kept >= keep_last:
             shutil.rmtree(ckpt, ignore_errors=True)
             _good.pop(ckpt.absolute(), None)
-        elif (problem := _problem_or_newer(ckpt)) is None:
-            kept += 1
-        elif problem is not _NEWER:
+        else:
+            try:
+                problem = problem_of(ckpt)
+            except NewerFormatError:  # this code cannot tell whether it is good: left where it is, uncounted
+                continue
+            if problem is None:
+                kept += 1
+                continue
             try:
                 moved.append(SetAside(ckpt, set_aside(ckpt), problem))
             except OSError:  # cannot move it: leave it where it is (still uncounted), never delete it
