@@ -193,6 +193,15 @@ def from_mapping(cls: type, d: Any, where: str) -> Any:
     return cls(**{k: coerce(_join(where, k), v, hints[k]) for k, v in d.items()})
 
 
+def typed_fields(obj: Any, where: str) -> None:
+    """Check every field of the dataclass instance ``obj`` against its type hint, as ``from_mapping`` does
+    for a mapping, writing back the lossless conversions (frozen instances too). For objects built in
+    Python: a dataclass does not check its own annotations, so ``in_norm="no"`` would act as true."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        object.__setattr__(obj, f.name, coerce(_join(where, f.name), getattr(obj, f.name), hints[f.name]))
+
+
 def _join(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+import hybridnorm as hn
 from hybridnorm import ConfigError, placements
 from hybridnorm.placements import BlockSpec, Override, Placement, SublayerSpec
 from hybridnorm.placements.docs import render
@@ -103,6 +104,27 @@ def test_invalid_specs_name_the_field():
         Placement("x", BlockSpec(), overrides=(Override(BlockSpec()),)).validate()
     with pytest.raises(ConfigError, match="unknown field 'blok'"):
         Placement.from_dict({"name": "x", "blok": {}})
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: Placement("x", BlockSpec(attn=SublayerSpec(in_norm="no"))), r"block\.attn\.in_norm='no' must be true or"),
+    (lambda: Placement("x", BlockSpec(qkv_norm=None)), r"block\.qkv_norm=None must be a string"),
+    (lambda: Placement("x", BlockSpec(ffn=3)), r"block\.ffn=3 must be a section"),
+    (lambda: Placement("x", BlockSpec(), final_norm=0), r"\]\.final_norm=0 must be true or false"),
+    (lambda: Placement("x", BlockSpec(), overrides=(Override(BlockSpec(), first_n=1.5),)),
+     r"overrides\[0\]\.first_n=1\.5 must be an integer"),
+])
+def test_a_spec_built_in_python_with_a_wrong_type_is_refused_naming_the_field(build, field):
+    # a dataclass does not check its annotations: "no" is truthy, so in_norm="no" built a normed model
+    with pytest.raises(ConfigError, match=field):
+        hn.TransformerLM(hn.ModelConfig.from_preset("tiny", placement=build()))
+
+
+def test_lossless_forms_in_a_python_built_spec_equal_the_canonical_ones():
+    loose = Placement("x", BlockSpec(residual_scale=2), overrides=[Override(BlockSpec(), first_n=1)]).validate()
+    exact = Placement("x", BlockSpec(residual_scale=2.0), overrides=(Override(BlockSpec(), first_n=1),))
+    assert loose == exact and hash(loose) == hash(exact)
+    assert Placement.from_dict(loose.to_dict()) == exact
 
 
 def test_register_rejects_duplicates():

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hybridnorm.config_base import from_mapping
+from hybridnorm.config_base import from_mapping, typed_fields
 from hybridnorm.errors import ConfigError
 
 Skip = Literal["input", "normed", "block", "block+input"]
@@ -49,6 +49,7 @@ class SublayerSpec:
     post_norm: bool = False
 
     def validate(self, where: str) -> None:
+        typed_fields(self, where)
         _choice(f"{where}.skip", self.skip, SKIPS)
         if self.skip == "normed" and not self.in_norm:
             raise ConfigError(f"{where}.skip='normed' needs {where}.in_norm=True (there is no normed input)")
@@ -73,6 +74,7 @@ class BlockSpec:
     depth_scaled_norms: bool = False
 
     def validate(self, where: str = "block") -> None:
+        typed_fields(self, where)
         self.attn.validate(f"{where}.attn")
         self.ffn.validate(f"{where}.ffn")
         if self.attn.skip in ("block", "block+input"):
@@ -109,6 +111,7 @@ class Override:
     first_fraction: float | None = None
 
     def validate(self, where: str) -> None:
+        typed_fields(self, where)
         if (self.first_n is None) == (self.first_fraction is None):
             raise ConfigError(f"{where}: set exactly one of first_n, first_fraction")
         if self.first_n is not None and self.first_n < 0:
@@ -144,6 +147,7 @@ class Placement:
 
     def validate(self) -> Placement:
         where = f"placement[{self.name}]"
+        typed_fields(self, where)
         self.block.validate(f"{where}.block")
         for i, o in enumerate(self.overrides):
             o.validate(f"{where}.overrides[{i}]")
