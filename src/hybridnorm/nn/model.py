@@ -89,8 +89,12 @@ class TransformerLM(nn.Module):
         ``max_seq_len`` go through :meth:`rope_rows` first. Without it (a traced graph) the tables are indexed
         as they are."""
         cos, sin = self.rope_cos, self.rope_sin
-        if check and position_ids.numel() and (last := int(position_ids.max())) >= self.config.max_seq_len:
-            cos, sin = self.rope_rows(last + 1, f"position {last}")
+        if check and position_ids.numel():
+            first, last = torch.stack(torch.aminmax(position_ids)).tolist()  # one host sync for both
+            if first < 0:  # an index from the end of the tables: another position's rotation, silently
+                raise ValueError(f"position_ids must be >= 0, got {first}")
+            if last >= self.config.max_seq_len:
+                cos, sin = self.rope_rows(last + 1, f"position {last}")
         return cos[position_ids], sin[position_ids]
 
     def reset_parameters(self) -> None:
@@ -116,9 +120,14 @@ class TransformerLM(nn.Module):
         padding that no query may attend to; positions then count real tokens only (left padding shifts
         nothing) unless ``position_ids`` (B, T) gives them. An all-ones mask costs nothing.
         """
+        _check_shapes(input_ids, targets, attention_mask, position_ids)
         B, T = input_ids.shape
         start = cache.pos if cache is not None else 0
         mask = None
+        if attention_mask is not None and attention_mask.shape != (B, start + T):
+            # checked before the all-ones shortcut, which would otherwise accept a mask of any shape
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({B}, {start + T}):"
+                             f" batch, cached {start} + new {T} positions")
         if attention_mask is not None and not bool(attention_mask.all()):
             mask = _padding_mask(attention_mask, start, T)  # (B, 1, T, start + T)
             if position_ids is None:
@@ -325,6 +334,23 @@ def check_generate_args(max_new_tokens: int, temperature: float, top_k: int | No
     return sampling
 
 
+def _check_shapes(input_ids: Tensor, targets: Tensor | None, attention_mask: Tensor | None,
+                  position_ids: Tensor | None) -> None:
+    """ValueError for inputs :meth:`TransformerLM.forward` would otherwise misread without a word: targets
+    of another shape (the fused loss flattens both, so (T, B) targets paired the wrong tokens) or of a float
+    dtype, ids that are not (B, T) integers, position ids that do not broadcast to (B, T). Shapes only: no sync."""
+    if input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"input_ids must be (batch, seq) integer token ids, got shape {tuple(input_ids.shape)} "
+                         f"{input_ids.dtype}")
+    if targets is not None and (targets.shape != input_ids.shape or targets.is_floating_point()):
+        raise ValueError(f"targets must be integer ids of the input_ids' shape {tuple(input_ids.shape)}, got "
+                         f"{tuple(targets.shape)} {targets.dtype}")
+    B, T = input_ids.shape
+    if position_ids is not None and position_ids.shape not in ((T,), (1, T), (B, T)):
+        raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not fit input_ids "
+                         f"{tuple(input_ids.shape)}: expected (batch or 1, seq) or (seq,)")
+
+
 def _padding_mask(attention_mask: Tensor, start: int, T: int) -> Tensor:
     """(B, start + T) 0/1 padding mask -> (B, 1, T, start + T) bool: causal AND key is not padding. A
     padding query still sees itself, so no softmax row is empty (NaN); its output is never used."""
@@ -343,6 +369,9 @@ def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100, fast: boo
     ``fast`` on CPU: ``kernels.cross_entropy`` (no full fp32 log-softmax; the same value). The plain
     line below is its definition and what the tests compare it with. On CUDA this function runs the plain line;
     a model computing its own loss (``targets=``) fuses the head with it instead (``TransformerLM._loss``)."""
+    if targets.shape != logits.shape[:-1]:  # both are flattened below: (T, B) targets would pair other tokens
+        raise ValueError(f"targets of shape {tuple(targets.shape)} do not fit logits {tuple(logits.shape)}: "
+                         f"expected {tuple(logits.shape[:-1])}")
     if kernels.active(fast) and logits.device.type == "cpu":
         return kernels.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index)
     wide = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
