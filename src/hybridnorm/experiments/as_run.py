@@ -9,7 +9,9 @@ two versions of the code, each in its own ``meta`` record. Reports compare runs 
 
 The data fingerprint is what the trainer computed from the tokens themselves and logged in every ``meta``
 record (train and validation token counts, the unigram cross-entropy of validation under the train
-counts), not a file hash: any edit of the corpus changes it, a ``touch`` or a copy does not.
+counts) and, since 2026-12, the sha256 of the data files' content (``data_sha256``: no path, no mtime):
+any edit of the corpus changes it, even one that keeps every count (lines swapped, a same-size typo fix
+under the byte tokenizer), and a ``touch`` or a copy does not.
 """
 
 from __future__ import annotations
@@ -82,13 +84,16 @@ def tokens_seen(r: Logged) -> int:
 
 def data_key(meta: dict[str, Any]) -> str | None:
     """The data a session read, from the statistics the trainer computed on its tokens (module docstring):
-    ``"<train>/<val> tokens, unigram <u>"``; None for a record without them (an older trainer's). The
-    entropy is kept to 9 significant digits: recomputed elsewhere it may differ in the last bits."""
+    ``"<train>/<val> tokens, unigram <u>"``, then ``", sha256 <first 16 hex>"`` of its data files where the
+    record has it; None for a record without the counts (an older trainer's). The entropy is kept to 9
+    significant digits: recomputed elsewhere it may differ in the last bits."""
     n_train, n_val = _whole(meta.get("train_tokens_available")), _whole(meta.get("val_tokens_available"))
     u = meta.get("unigram_entropy")
     if n_train is None or n_val is None or not isinstance(u, (int, float)) or not math.isfinite(u):
         return None
-    return f"{n_train:,} train / {n_val:,} val tokens, unigram {u:.9g}"
+    sha = meta.get("data_sha256")
+    return f"{n_train:,} train / {n_val:,} val tokens, unigram {u:.9g}" + (
+        f", sha256 {sha[:16]}" if isinstance(sha, str) and sha else "")
 
 
 def data_keys(r: Logged) -> list[str]:

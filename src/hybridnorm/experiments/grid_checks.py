@@ -24,7 +24,7 @@ from typing import Any
 
 from hybridnorm import placements as registry
 from hybridnorm.config_base import config_differences, flatten_config
-from hybridnorm.data import source_fingerprint
+from hybridnorm.data.corpus import source_files
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.preflight import folder_kind
@@ -82,7 +82,7 @@ def check_data_sources(configs: Sequence[TrainConfig], names: Sequence[str]) -> 
         if cfg.data.source in checked:
             continue
         try:
-            source_fingerprint(cfg.data.source)
+            source_files(cfg.data.source)
         except ConfigError as e:
             raise ConfigError(f"{e} (grid point {name}); nothing was trained") from None
         checked.add(cfg.data.source)

@@ -261,7 +261,7 @@ _META_FIELDS = {"placement": lambda x: isinstance(x, str), "init": lambda x: isi
                 "precision": lambda x: isinstance(x, str), "params": _is_number, "unigram_entropy": _is_number,
                 "bigram_entropy": lambda x: x is None or _is_number(x),
                 "train_tokens_available": _is_number, "val_tokens_available": _is_number, "code": _is_code,
-                "hardware": _is_hardware, "tokens_per_step": _is_number}
+                "hardware": _is_hardware, "tokens_per_step": _is_number, "data_sha256": lambda x: isinstance(x, str)}
 
 
 def _number_or_none(x: Any) -> bool:

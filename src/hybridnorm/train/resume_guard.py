@@ -18,7 +18,7 @@ written before those copies existed:
 * every other field may change (more steps, a new learning rate; new data with the run's tokenizer for a
   model imported with ``hybridnorm import``, whose checkpoint holds no data position — a trained run's
   data position is checked against its data by the checkpoint loader): :func:`check_resume` returns those
-  fields for the run's log.
+  fields for the run's log, and :func:`resume_events` logs them with a change of the data's content.
 """
 
 from __future__ import annotations
@@ -75,6 +75,21 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Pa
                           f"{recorded_cfg}): resume with the run's own model settings, or train the new "
                           "model in another --out")
     return changed
+
+
+def resume_events(changed: list[str], extra: dict[str, Any], data_sha256: str) -> list[dict[str, Any]]:
+    """The events a resume logs: the config fields that changed (:func:`check_resume`), and new data under
+    the run's data settings, told by the sha256 of the data files that the checkpoint recorded (a file
+    edited in place keeps ``data.source``, and may keep its size, mtime and token counts). Like a changed
+    ``data.source`` it is allowed, and logged; a checkpoint from before the hash was kept has none."""
+    events: list[dict[str, Any]] = []
+    if changed:
+        events.append({"event": "config_changed_on_resume", "fields": changed})
+    recorded = extra.get("data_sha256")
+    if isinstance(recorded, str) and recorded and data_sha256 and recorded != data_sha256:
+        events.append({"event": "data_changed_on_resume", "recorded_data_sha256": recorded,
+                       "data_sha256": data_sha256})
+    return events
 
 
 def _show(value: Any) -> str:

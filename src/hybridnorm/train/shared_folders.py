@@ -130,7 +130,7 @@ def prepare_data_on_ranks(cfg: TrainConfig, d: Dist) -> PreparedData:
     if not d.enabled:
         return data
     mine = (f"tokenizer {data.tokenizer.fingerprint[:12]}, {data.stats.train_tokens:,} train / "
-            f"{data.stats.val_tokens:,} val tokens")
+            f"{data.stats.val_tokens:,} val tokens, data sha256 {data.data_sha256[:12]}")
 
     def check(rank_0: str) -> None:
         if mine != rank_0:

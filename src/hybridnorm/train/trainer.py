@@ -67,7 +67,7 @@ from hybridnorm.train.plan import activation_bytes
 from hybridnorm.train.precision import choose_precision
 from hybridnorm.train.preflight import check_fits
 from hybridnorm.train.provenance import code_versions, hardware
-from hybridnorm.train.resume_guard import check_resume
+from hybridnorm.train.resume_guard import check_resume, resume_events
 from hybridnorm.train.run import write_run_files
 from hybridnorm.train.shared_folders import (
     check_every_rank_sees_the_run_folder,
@@ -106,6 +106,7 @@ def _log_header(log: MetricsLogger, cfg: TrainConfig, model: TransformerLM, data
                    "tokens_per_step": cfg.global_batch * cfg.seq_len,
                    "unigram_entropy": data.stats.unigram_entropy, "bigram_entropy": data.stats.bigram_entropy,
                    "train_tokens_available": train_n, "val_tokens_available": val_n,
+                   "data_sha256": data.data_sha256,  # the files' content: the counts cannot tell same-size edits
                    "code": code_versions(), "hardware": ran_on,
                    "matmul_peak_flops": peak, "mfu_peak_source": peak_source},
             "meta")  # MFU's denominator: a GPU's datasheet, else measured (per-machine cache: flops.py)
@@ -216,8 +217,8 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         log.log(state.step, {"event": "batch_split_derived", "global_batch": split.global_batch,
                              "batch_size": split.batch_size, "grad_accum": split.grad_accum,
                              "world_size": d.world_size}, "event")
-    if changed:  # printed too: the settings a resume changed are worth a line on the console
-        log.log(state.step, {"event": "config_changed_on_resume", "fields": changed}, "event")
+    for event in resume_events(changed, state.extra, data.data_sha256):  # printed too: worth a console line
+        log.log(state.step, event, "event")
     for moved in found.set_aside:  # corrupt checkpoints skipped by --resume: moved, never deleted
         log.log(state.step, {"event": "corrupt_checkpoint_set_aside", "checkpoint": str(moved.checkpoint),
                              "moved_to": str(moved.moved_to), "reason": moved.reason}, "event")
@@ -256,6 +257,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         finish_save()
         state.data = batches.state_dict()
         state.extra["spike_detector"] = spikes.state_dict()
+        state.extra["data_sha256"] = data.data_sha256  # what the next resume compares its data with
         saving.update(step=state.step, pending=None)
         try:  # with async_checkpoint the files are written while the next steps run
             saving["pending"] = start_checkpoint(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last,

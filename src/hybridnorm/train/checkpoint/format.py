@@ -187,6 +187,8 @@ def _check_extra(path: Path, extra: object) -> None:
     if not (isinstance(spikes, dict) and all(isinstance(v, list) and all(_is_number(x) for x in v)
                                              for v in spikes.values())):
         raise malformed(path, "'extra.spike_detector' must map metric names to lists of numbers")
+    if not isinstance(extra.get("data_sha256", ""), str):  # the trainer's; a resume compares its data with it
+        raise malformed(path, "'extra.data_sha256' must be a string (the sha256 of the data files)")
 
 
 def _check_group(path: Path, i: int, group: object) -> list[int]:
