@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridnorm import plain_data
+from hybridnorm.data.hf_source import TEXT_FIELD_OPTIONS, hf_documents
 from hybridnorm.errors import ConfigError
 
 FORMAT_VERSION = 1  # bump when document construction or splitting changes: it invalidates every cache
@@ -184,7 +185,7 @@ def load_corpus(source: str | os.PathLike = "kjv", val_fraction: float = 0.05, t
         _check_unchanged(kjv_path(), digest, 0)
         return Corpus(source, train, val, digest.key if digest else "", {"val_books": list(KJV_SOURCES[source])})
     if source.startswith("hf:"):
-        docs, name = _hf_documents(source[3:], text_field, max_docs, cache_dir), source
+        docs, name = hf_documents(source[3:], text_field, max_docs, cache_dir), source
         fingerprint = ""
     else:
         docs = []
@@ -254,11 +255,33 @@ def _kjv_documents(max_docs: int | None, val_books: tuple[str, ...]) -> tuple[li
     return train, val
 
 
+def _folder_files(root: Path) -> list[Path]:
+    """The data files under ``root``, hidden ones (a name starting with ".") left out, in order of their
+    path relative to it. Symbolic links are followed, to files and to folders (``rglob`` left linked folders
+    out without a word), each real folder once (a link back up would loop); a link to nothing is an error."""
+    found, seen = [], set()
+    for top, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: which path to a folder wins is fixed
+        for name in names:
+            f = Path(top) / name
+            if name.startswith(".") or f.suffix not in SUFFIXES:
+                continue
+            if not f.exists():  # os.walk lists a dangling link as a file
+                raise ConfigError(f"data.source folder {root}: {f} is a symbolic link to {os.readlink(f)!r}, "
+                                  f"which does not exist; fix or remove the link")
+            if f.is_file():  # a FIFO or device under a data name is not data
+                found.append(f)
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
 def _local_files(path: Path) -> list[Path]:
     if path.is_dir():
-        files = sorted((p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES
-                        and not any(part.startswith(".") for part in p.relative_to(path).parts)),
-                       key=lambda p: p.relative_to(path).as_posix())
+        files = _folder_files(path)
         if not files:
             raise ConfigError(f"data.source folder {path} holds no {'/'.join(SUFFIXES)} files")
         return files
@@ -307,8 +330,6 @@ def jsonl_records(path: Path, what: str = "data file") -> Iterator[tuple[int, di
         yield i, rec
 
 
-# where a user names the field that holds the text (the error for a missing one says so)
-TEXT_FIELD_OPTIONS = "name the text's field with train's --data.text_field or eval's --text-field"
 
 def _read_file(path: Path, text_field: str) -> Iterable[str]:
     if path.suffix == ".txt":
@@ -342,41 +363,3 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
     if column and not all(v is None or isinstance(v, str) for v in column):
         raise ConfigError(f"{path}: column {text_field!r} must hold strings")
     return [v for v in column if v is not None]
-
-
-def _hf_documents(spec: str, text_field: str, max_docs: int | None,
-                  cache_dir: str | Path | None) -> list[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(f"data.source='hf:{spec}' needs the datasets package: "
-                          f"pip install datasets") from None
-    name, _, split = spec.rpartition("@") if "@" in spec else (spec, "", "train")
-    # never a dataset's loading script: datasets < 3 ran them unasked; >= 4 ignores a False here
-    kwargs: dict[str, object] = {"split": split or "train", "streaming": max_docs is not None,
-                                 "trust_remote_code": False}
-    if cache_dir is not None:
-        kwargs["cache_dir"] = os.fspath(Path(cache_dir) / "hf-datasets")
-    local = Path(name)
-    if local.is_file():  # hf:<file>: the matching packaged builder reads it offline
-        builder = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
-        args: tuple[str, ...] = (builder.get(local.suffix, "text"),)
-        kwargs["data_files"] = os.fspath(local)
-    else:
-        args = (name,) if local.is_dir() or ":" not in name else tuple(name.split(":", 1))
-    try:
-        ds = datasets.load_dataset(*args, **kwargs)
-        if text_field not in (ds.column_names or [text_field]):
-            raise ConfigError(f"data.source='hf:{spec}' has no column {text_field!r} (columns: "
-                              f"{', '.join(map(repr, ds.column_names))}): {TEXT_FIELD_OPTIONS}")
-        docs = []
-        for rec in ds:
-            if max_docs is not None and len(docs) >= max_docs:
-                break
-            if isinstance(rec.get(text_field), str):
-                docs.append(rec[text_field])
-    except ConfigError:
-        raise
-    except Exception as e:  # network, missing dataset/config/split: one line, not a traceback
-        raise ConfigError(f"data.source='hf:{spec}' could not be loaded: {type(e).__name__}: {e}") from None
-    return docs

@@ -128,6 +128,7 @@ def prepare_data_on_ranks(cfg: TrainConfig, d: Dist) -> PreparedData:
     data = on_every_rank(d, "preparing the data", lambda: first if first is not None else cfg.data.prepare(),
                          cfg.dist_timeout)
     if not d.enabled:
+        data.check_val_windows(cfg.seq_len)
         return data
     mine = (f"tokenizer {data.tokenizer.fingerprint[:12]}, {data.stats.train_tokens:,} train / "
             f"{data.stats.val_tokens:,} val tokens, data sha256 {data.data_sha256[:12]}")
@@ -141,4 +142,5 @@ def prepare_data_on_ranks(cfg: TrainConfig, d: Dist) -> PreparedData:
                               f"software on each")
 
     checked_against_rank_0(d, "comparing its data with rank 0's", mine, check, cfg.dist_timeout)
+    data.check_val_windows(cfg.seq_len)  # after the comparison: every rank holds rank 0's tokens and stops alike
     return data

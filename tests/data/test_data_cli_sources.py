@@ -1,0 +1,72 @@
+"""Data sources through the real command line, as a user meets them: a corpus whose validation split is
+too small to evaluate, and folders with symbolic links (to a folder, back up the tree, to nothing)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from train_helpers import tiny_overrides
+
+from hybridnorm import cli
+from hybridnorm.data import load_corpus
+
+
+def _error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def test_a_validation_split_too_small_to_evaluate_is_refused_before_training(tmp_path, capsys):
+    """Twelve lines: train has windows for a step, validation (the last line: 5% of the text, cut at a line
+    break) 30 bytes and an eot, under one window of seq_len+1=33. Before 2026-12 the run trained to its
+    first evaluation and stopped there with "the data has 31 tokens", naming neither the split nor the
+    source, and no checkpoint of the steps it had taken."""
+    src = tmp_path / "small.txt"
+    src.write_text("".join(f"line {i:02d} of the word and light\n" for i in range(12)), encoding="utf-8")
+    out = tmp_path / "run"
+    before = _snapshot(tmp_path)
+    rc = cli.main(["train", *tiny_overrides(src, tmp_path / "cache", out), "--max_steps=3"])
+    line = _error_line(capsys.readouterr().err)
+    assert rc == 2
+    assert "validation split" in line and f"data.source={str(src)!r}" in line and "seq_len+1=33" in line
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert {k: v for k, v in _snapshot(tmp_path).items() if "cache" not in k} == before
+
+
+def _linked_folder(tmp_path: Path) -> Path:
+    root, shared = tmp_path / "data", tmp_path / "shared"
+    (root / "own").mkdir(parents=True)
+    shared.mkdir()
+    (root / "own" / "a.txt").write_text("the first document\n", encoding="utf-8")
+    (shared / "b.txt").write_text("a document kept in a shared folder\n", encoding="utf-8")
+    (root / "linked").symlink_to(shared, target_is_directory=True)  # how HF snapshots and shared data are kept
+    (root / "own" / "up").symlink_to("..", target_is_directory=True)  # back up the tree: must not loop
+    return root
+
+
+def test_a_linked_folder_is_read_once_and_a_link_up_the_tree_does_not_loop(tmp_path):
+    """``rglob`` left the linked folder out without a word; each real folder is read once."""
+    c = load_corpus(_linked_folder(tmp_path), val_fraction=0.0)
+    assert c.train == ["a document kept in a shared folder\n", "the first document\n"]  # linked/b.txt, own/a.txt
+
+
+def test_a_link_to_nothing_is_one_error_naming_it(tmp_path, capsys):
+    """A data file whose link target is gone was skipped silently: the run trained on less than the folder
+    named. Now one error, before anything is written."""
+    root = _linked_folder(tmp_path)
+    (root / "gone.jsonl").symlink_to(tmp_path / "moved-away.jsonl")
+    out = tmp_path / "run"
+    before = _snapshot(tmp_path)
+    rc = cli.main(["train", *tiny_overrides(root, tmp_path / "cache", out), "--max_steps=1"])
+    line = _error_line(capsys.readouterr().err)
+    assert rc == 2
+    assert str(root / "gone.jsonl") in line and "moved-away.jsonl" in line and "does not exist" in line
+    assert not out.exists() and _snapshot(tmp_path) == before
+    assert os.path.islink(root / "gone.jsonl")
