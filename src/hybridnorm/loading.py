@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from hybridnorm.data import PreparedData, prepare_data, val_batch_count, val_batches
+from hybridnorm.data.corpus import for_option
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import lm_loss
 from hybridnorm.train.distributed import Dist
@@ -59,8 +60,11 @@ def load_run(path: str | Path) -> Run:
 def validation_data(run: Run, source: str | None = None, text_field: str | None = None) -> PreparedData:
     """``source`` (default: the run's own corpus) prepared with the run's tokenizer (the shared token
     cache), checked against the model's vocabulary: what :func:`evaluate_on` scores."""
-    data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
-                        cache_dir=run.config.data.cache_dir, text_field=text_field or run.config.data.text_field)
+    try:
+        data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
+                            cache_dir=run.config.data.cache_dir, text_field=text_field or run.config.data.text_field)
+    except ConfigError as e:  # a corpus the user named with eval's --data, not a run's data.source
+        raise (for_option(e, source, "--data") if source else e) from None
     data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
     return data
 

@@ -70,3 +70,15 @@ def test_a_link_to_nothing_is_one_error_naming_it(tmp_path, capsys):
     assert str(root / "gone.jsonl") in line and "moved-away.jsonl" in line and "does not exist" in line
     assert not out.exists() and _snapshot(tmp_path) == before
     assert os.path.islink(root / "gone.jsonl")
+
+
+def test_eval_data_errors_name_eval_data_not_trainings_option(tiny_run, tmp_path, capsys):
+    """``eval --data`` reads the corpus as training does, whose messages named ``data.source``, an option
+    the eval user never typed."""
+    empty, missing = tmp_path / "empty.txt", tmp_path / "nothere.txt"
+    empty.write_text("\n\n", encoding="utf-8")
+    for corpus, what in ((empty, "the corpus is empty"), (missing, "does not exist")):
+        rc = cli.main(["eval", str(tiny_run), "--data", str(corpus)])
+        line = _error_line(capsys.readouterr().err)
+        assert rc == 2 and what in line and (f"--data {corpus}" in line or f"--data file {corpus}" in line)
+        assert "data.source" not in line

@@ -201,6 +201,12 @@ def load_corpus(source: str | os.PathLike = "kjv", val_fraction: float = 0.05, t
     return Corpus(name, train, val, fingerprint)
 
 
+def for_option(e: ConfigError, source: str, option: str) -> ConfigError:
+    """``e``, raised reading ``source`` for another command's ``option`` (eval's ``--data``, ``--text``),
+    naming that option: the corpus reader's messages name training's ``data.source``, not typed there."""
+    return ConfigError(str(e).replace(f"data.source={source!r}", f"{option} {source}").replace("data.source", option))
+
+
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """Deterministic split: a document goes to val when the hash of its text falls below ``val_fraction``.
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridnorm.data.corpus import SUFFIXES, load_corpus, read_text
+from hybridnorm.data.corpus import SUFFIXES, for_option, load_corpus, read_text
 from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.scoring import RowRule, loglikelihood_rolling
@@ -109,7 +109,7 @@ def read_documents(source: str | Path, text_field: str = "text", max_docs: int |
     try:
         return load_corpus(source, val_fraction=0.0, text_field=text_field, max_docs=max_docs).train
     except ConfigError as e:  # the corpus reader names training's field; these are the documents --text names
-        raise ConfigError(str(e).replace(f"data.source={source!r}", f"--text {source}", 1)) from None
+        raise for_option(e, source, "--text") from None
 
 
 def perplexity_of_run(run: Run, source: str | Path, batch_size: int | RowRule = 8, text_field: str = "text",
