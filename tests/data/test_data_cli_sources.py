@@ -82,3 +82,27 @@ def test_eval_data_errors_name_eval_data_not_trainings_option(tiny_run, tmp_path
         line = _error_line(capsys.readouterr().err)
         assert rc == 2 and what in line and (f"--data {corpus}" in line or f"--data file {corpus}" in line)
         assert "data.source" not in line
+
+
+def test_a_data_file_with_an_upper_case_suffix_is_read_in_a_folder_as_alone(tmp_path):
+    """``A.TXT`` in a folder was skipped without a word (alone, it was refused as an unknown suffix)."""
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "A.TXT").write_text("an old DOS file\n", encoding="utf-8")
+    (root / "b.JsonL").write_text('{"text": "a record"}\n', encoding="utf-8")
+    (root / "c.txt").write_text("a plain one\n", encoding="utf-8")
+    assert load_corpus(root, val_fraction=0.0).train == ["an old DOS file\n", "a record", "a plain one\n"]
+    assert load_corpus(root / "A.TXT", val_fraction=0.0).train == ["an old DOS file\n"]
+
+
+def test_a_train_split_smaller_than_one_batch_names_the_split_and_the_source(tmp_path, capsys):
+    """The error said "the data has N tokens": neither which split nor which source."""
+    src = tmp_path / "small.txt"
+    src.write_text("".join(f"line {i:02d} of the word and light, said twice over\n" for i in range(40)),
+                   encoding="utf-8")
+    out = tmp_path / "run"
+    rc = cli.main(["train", *tiny_overrides(src, tmp_path / "cache", out), "--max_steps=1", "--batch_size=64",
+                   "--grad_accum=1"])
+    line = _error_line(capsys.readouterr().err)
+    assert rc == 2
+    assert f"the train split of data.source={str(src)!r}" in line and "fewer than one global batch of 64" in line

@@ -32,6 +32,11 @@ from hybridnorm.errors import ConfigError
 FORMAT_VERSION = 1  # bump when document construction or splitting changes: it invalidates every cache
 SUFFIXES: tuple[str, ...] = (".txt", ".jsonl", ".parquet")
 
+
+def data_suffix(path: Path) -> str:
+    """How ``path`` is read, by its suffix in any case: ``A.TXT`` is text (in a folder it was skipped unsaid)."""
+    return path.suffix.lower()
+
 # Whole books held out of KJV training, from both testaments and every genre (narrative, wisdom, lament,
 # prophecy, epistles): 5.1% of the 4.1M characters. Whole books, not random chapters, so validation text
 # is not a neighbour of training text (a chapter's parallel passages mostly sit in its own book).
@@ -275,7 +280,7 @@ def _folder_files(root: Path) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: which path to a folder wins is fixed
         for name in names:
             f = Path(top) / name
-            if name.startswith(".") or f.suffix not in SUFFIXES:
+            if name.startswith(".") or data_suffix(f) not in SUFFIXES:
                 continue
             if not f.exists():  # os.walk lists a dangling link as a file
                 raise ConfigError(f"data.source folder {root}: {f} is a symbolic link to {os.readlink(f)!r}, "
@@ -297,7 +302,7 @@ def _local_files(path: Path) -> list[Path]:
     if not path.is_file():  # a FIFO waits for a writer forever, and the source is read more than once
         raise ConfigError(f"data.source {path} is not a regular file (a pipe, socket or device); write the data "
                           f"to a file or folder first")
-    if path.suffix not in SUFFIXES:
+    if data_suffix(path) not in SUFFIXES:
         raise ConfigError(f"data.source file {path}: unsupported suffix {path.suffix!r}; use one of "
                           f"{', '.join(SUFFIXES)}")
     return [path]
@@ -336,11 +341,10 @@ def jsonl_records(path: Path, what: str = "data file") -> Iterator[tuple[int, di
         yield i, rec
 
 
-
 def _read_file(path: Path, text_field: str) -> Iterable[str]:
-    if path.suffix == ".txt":
+    if data_suffix(path) == ".txt":
         return [read_text(path)]
-    if path.suffix == ".jsonl":
+    if data_suffix(path) == ".jsonl":
         docs = []
         for i, rec in jsonl_records(path):
             if not isinstance(rec.get(text_field), str):

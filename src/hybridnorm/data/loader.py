@@ -21,12 +21,12 @@ import torch
 from hybridnorm.errors import ConfigError
 
 
-def _check(tokens: np.ndarray, batch_size: int, seq_len: int) -> None:
+def _check(tokens: np.ndarray, batch_size: int, seq_len: int, what: str = "the data") -> None:
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{name}={v!r} must be a positive integer")
     if len(tokens) < seq_len + 1:
-        raise ConfigError(f"the data has {len(tokens)} tokens, fewer than one window of seq_len+1="
+        raise ConfigError(f"{what} has {len(tokens)} tokens, fewer than one window of seq_len+1="
                           f"{seq_len + 1}; use more data or a shorter seq_len")
 
 
@@ -41,8 +41,9 @@ class TokenBatches:
     optimizer step is ``grad_accum`` consecutive items."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, grad_accum: int = 1) -> None:
-        _check(tokens, batch_size, seq_len)
+                 rank: int = 0, world_size: int = 1, grad_accum: int = 1, what: str = "the data") -> None:
+        # what: how errors name the tokens (the trainer's "the train split of data.source='x'")
+        _check(tokens, batch_size, seq_len, what)
         if not isinstance(seed, int) or seed < 0:
             raise ConfigError(f"seed={seed!r} must be a non-negative integer")
         if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
@@ -57,9 +58,10 @@ class TokenBatches:
         self.slack = (len(tokens) - 1) - self.n_windows * seq_len  # room for the per-epoch offset
         self.steps_per_epoch = self.n_windows // self.global_batch
         if self.steps_per_epoch == 0:
-            raise ConfigError(f"the data has {len(tokens)} tokens = {self.n_windows} windows of "
+            raise ConfigError(f"{what} has {len(tokens)} tokens = {self.n_windows} windows of "
                               f"seq_len={seq_len}, fewer than one global batch of {batch_size}x{world_size}"
-                              + (f"x{grad_accum}" if grad_accum > 1 else ""))
+                              + (f"x{grad_accum}" if grad_accum > 1 else "")
+                              + "; use more data, a shorter seq_len or a smaller batch")
         self.epoch, self.step, self.micro = 0, 0, 0
         self._plan: tuple[int, np.ndarray, int] | None = None  # (epoch, permutation, offset)
 

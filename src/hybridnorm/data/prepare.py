@@ -87,11 +87,15 @@ class PreparedData:
     def val_tokens(self) -> np.ndarray:
         return open_tokens(self.val_path, self.vocab_size, self.tokenizer.fingerprint)
 
+    def label(self, split: str) -> str:
+        """How errors name one split of this data: ``the train split of data.source='x'``."""
+        return f"the {split} split of data.source={self.source!r}"
+
     def check_val_windows(self, seq_len: int) -> None:
         """Evaluation scores windows of ``seq_len + 1`` validation tokens: a split without one is refused
         before training (before 2026-12 a run trained to its first evaluation, then stopped there)."""
         if self.stats.val_tokens < seq_len + 1:
-            raise ConfigError(f"the validation split of data.source={self.source!r} has {self.stats.val_tokens} "
+            raise ConfigError(f"{self.label('validation')} has {self.stats.val_tokens} "
                               f"tokens ({self.stats.val_docs} document(s); train has {self.stats.train_tokens}), "
                               f"fewer than one window of seq_len+1={seq_len + 1} to evaluate: give a longer "
                               f"data.source (validation is ~5% of a local one) or a smaller seq_len")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridnorm.data.corpus import SUFFIXES, for_option, load_corpus, read_text
+from hybridnorm.data.corpus import SUFFIXES, data_suffix, for_option, load_corpus, read_text
 from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.scoring import RowRule, loglikelihood_rolling
@@ -103,7 +103,7 @@ def read_documents(source: str | Path, text_field: str = "text", max_docs: int |
     if source == "kjv":
         return load_corpus("kjv").val[:max_docs]
     path = Path(source)
-    if path.is_file() and path.suffix not in SUFFIXES:
+    if path.is_file() and data_suffix(path) not in SUFFIXES:
         text = read_text(path)
         return [text] if text.strip() else []
     try:

@@ -192,7 +192,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
                           d.world_size, cfg.batch_size, cfg.grad_accum)
     cfg = replace(cfg, batch_size=split.batch_size, grad_accum=split.grad_accum, global_batch=split.global_batch)
     batches = TokenBatches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=d.rank,
-                           world_size=d.world_size, grad_accum=cfg.grad_accum)
+                           world_size=d.world_size, grad_accum=cfg.grad_accum, what=data.label("train"))
     if state.data:
         batches.load_state_dict(state.data)
     # kept in every checkpoint too: a checkpoint folder opens on its own
