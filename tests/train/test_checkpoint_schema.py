@@ -265,3 +265,19 @@ def test_explicit_checkpoint_with_a_malformed_file_is_one_error_line(corpus, cac
     with pytest.warns(UserWarning, match=f"skipping bad checkpoint: checkpoint file {ckpt / name}"):
         assert cli.main(["generate", str(run), "--max-new-tokens=2"]) == 0
     assert snapshot(run) == before
+
+
+@pytest.mark.cuda
+def test_a_cuda_generator_state_of_the_wrong_length_is_refused_before_anything_is_loaded(base, tmp_path):
+    """torch refuses it only when applied, after the weights and optimizer state were loaded, with its own
+    RuntimeError; now the throwaway-generator check the CPU state gets, naming the file."""
+    from safetensors.torch import load_file
+
+    ckpt = _copy(base, str(tmp_path))
+    rng = load_file(str(ckpt / "rng.safetensors"))
+    rewrite(ckpt, "rng.safetensors", save({**rng, "cuda.0": torch.zeros(3, dtype=torch.uint8)}))
+    model, optimizer = model_and_optimizer(steps=0, seed=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"rng\.safetensors holds an invalid RNG state"):
+        load_checkpoint(ckpt, model, optimizer)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -161,6 +161,9 @@ def _rng_states(ckpt: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"checkpoint file {f} cannot be read: {e}") from None
     try:
         torch.Generator().set_state(rng["torch"])  # a throwaway generator: refuse a bad state before using it
+        for key in rng:  # the CUDA ones too, where they will be applied (a wrong length: torch's error, late)
+            if key.startswith("cuda.") and torch.cuda.is_available() and int(key[5:]) < torch.cuda.device_count():
+                torch.Generator(device=f"cuda:{int(key[5:])}").set_state(rng[key])
     except (RuntimeError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint file {f} holds an invalid RNG state: {e}") from None
     return rng
