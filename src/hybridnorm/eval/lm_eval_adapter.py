@@ -35,7 +35,13 @@ from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
 from hybridnorm.eval.batched_generation import generate_until_batch
-from hybridnorm.eval.lm_eval_checks import MAX_GEN_TOKS_KEYS, check_gen_kwargs, positive_int, unreadable_yaml
+from hybridnorm.eval.lm_eval_checks import (
+    MAX_GEN_TOKS_KEYS,
+    build_tasks,
+    check_gen_kwargs,
+    positive_int,
+    unreadable_yaml,
+)
 from hybridnorm.eval.lm_eval_ranks import RANK_WAIT_S, RankedLM, launched_local_rank
 from hybridnorm.eval.paths import TASKS_DIR
 from hybridnorm.eval.scoring import encode_pair, loglikelihood, loglikelihood_rolling
@@ -316,7 +322,8 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
     from lm_eval import simple_evaluate
 
     try:
-        results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
+        built = build_tasks(tm, names)  # its metrics checked before any request is scored
+        results = simple_evaluate(model=lm, tasks=built, num_fewshot=num_fewshot, limit=limit, task_manager=tm,
                                   log_samples=log_samples, bootstrap_iters=bootstrap_iters,
                                   apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn,
                                   system_instruction=system_instruction, gen_kwargs=gen_kwargs,

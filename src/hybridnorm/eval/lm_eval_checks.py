@@ -58,3 +58,63 @@ def unreadable_yaml(folders: Sequence[str | Path]) -> str:
         return ""
     return f"; these task files do not parse, and lm-eval skipped them: {'; '.join(bad[:3])}" + (
         f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+
+
+def build_tasks(tm: Any, names: Sequence[str]) -> list[Any]:
+    """``names`` built by ``tm`` (lm-eval's ``TaskManager.load``: the tasks, groups and tags, their datasets
+    read) and their metrics checked, for ``simple_evaluate(tasks=...)``, which takes them built: a metric or
+    aggregation lm-eval does not know is one ConfigError naming the task and the metric now, where lm-eval
+    fails with ``KeyError: None`` while building the task or with ``'NoneType' object is not callable``
+    after every request has been scored (its progress bars printed first)."""
+    built: list[Any] = []
+    for name in names:
+        try:
+            loaded = tm.load([name])
+        except KeyError as e:
+            if e.args != (None,):  # lm-eval's lookup of a metric's default aggregation found none
+                raise
+            raise ConfigError(_unknown_metric(e, name)) from None
+        tasks = list(loaded["tasks"].values())
+        for task in tasks:
+            check_metrics(task)
+        # the object lm-eval built for the name: a group (with its subtasks in it), a task, or a tag's tasks
+        built += [loaded["groups"][name]] if name in loaded["groups"] else tasks
+    return built
+
+
+def check_metrics(task: Any) -> None:
+    """Each metric of ``task``'s ``metric_list`` has the function and aggregation lm-eval looked up for it."""
+    from lm_eval.api import registry
+
+    cfg = task.config
+    functions, aggregations = getattr(task, "_metric_fn_list", {}), task.aggregation() or {}
+    for entry in cfg.metric_list or []:
+        metric, agg = entry.get("metric"), entry.get("aggregation")
+        if not isinstance(metric, str):  # a !function metric: lm-eval calls it as given
+            continue
+        if cfg.process_results is None and metric in functions and functions[metric] is None:
+            raise ConfigError(f"lm-eval task {cfg.task!r}: metric {metric!r} in its metric_list is not one lm-eval "
+                              f"knows (nor one the HF evaluate library loads here); lm-eval's metrics: "
+                              f"{', '.join(sorted(registry.metric_registry.keys()))}")
+        if isinstance(agg, str) and aggregations.get(metric) is None:
+            known = ", ".join(sorted(registry.aggregation_registry.keys()))
+            raise ConfigError(f"lm-eval task {cfg.task!r}: aggregation {agg!r} of metric {metric!r} is not one "
+                              f"lm-eval knows; its aggregations: {known}")
+
+
+def _unknown_metric(e: KeyError, name: str) -> str:
+    """What lm-eval's ``KeyError: None`` means: a metric in a task's metric_list that has no default
+    aggregation, i.e. one not in lm-eval's registry that names no ``aggregation``. The task and the metric
+    are read from the frame of the task being built (its ``self`` and ``metric_name``) where it is there."""
+    from lm_eval.api import registry
+
+    task, metric, tb = name, None, e.__traceback__
+    while tb is not None:  # the innermost frame that holds both is the task's __init__
+        local = tb.tb_frame.f_locals
+        if isinstance(local.get("metric_name"), str) and hasattr(local.get("self"), "config"):
+            task, metric = getattr(local["self"].config, "task", name), local["metric_name"]
+        tb = tb.tb_next
+    what = f"metric {metric!r} in its metric_list" if metric else "a metric in its metric_list"
+    return (f"lm-eval task {task!r}: {what} is not one lm-eval knows, and names no aggregation (lm-eval's metrics, "
+            f"which have their own: {', '.join(sorted(registry.metric_registry.keys()))}; another metric needs "
+            f"aggregation: one of {', '.join(sorted(registry.aggregation_registry.keys()))})")

@@ -161,6 +161,8 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
 
         if not req.debug:  # lm-eval's per-task warnings would bury the table (and a one-line error)
             logging.getLogger("lm_eval").setLevel(logging.ERROR)
+            # a metric or aggregation it did not find: the error line names it (lm_eval_checks.build_tasks)
+            logging.getLogger("lm_eval.api.registry").setLevel(logging.CRITICAL)
         res = run_lm_eval(run, task_names(req.tasks), include_path=req.include_path, limit=req.limit,
                           num_fewshot=req.num_fewshot, batch_size=scoring_batch, max_batch_size=sizer.max_batch,
                           apply_chat_template=req.apply_chat_template or False,
