@@ -125,7 +125,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     e.add_argument("--tasks", help="comma-separated lm-eval tasks (the shipped kjv_mc is always found); "
                                    "needs pip install 'hybridnorm[eval]'")
     e.add_argument("--include-path", metavar="DIR", help="folder of extra lm-eval task YAML files")
-    e.add_argument("--limit", type=int, help="first N items of each task / of --mc")
+    e.add_argument("--limit", metavar="N|FRACTION", help="the first N documents of each task / questions of --mc, "
+                   "or a fraction of them between 0 and 1 (0.5: the first half, rounded up), as lm_eval --limit")
     e.add_argument("--num-fewshot", type=int, help="lm-eval few-shot examples (default: the task's, or 0)")
     e.add_argument("--apply-chat-template", nargs="?", const="default", metavar="NAME",
                    help="lm-eval prompts as chat turns, formatted by the run's chat template (an imported instruct "
@@ -141,6 +142,9 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     e.add_argument("--gen-kwargs", metavar="K=V,...", help="lm-eval generation settings for every generation task, "
                    "over each task's own, as lm_eval --gen_kwargs (e.g. do_sample=true,temperature=0.7)")
     e.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when a GPU is visible, else the CPU)")
+    e.add_argument("--dtype", default="auto", help="auto (default: the weights as the run stores them), float32, "
+                   "bfloat16 or float16: the model cast to it for every evaluation, as lm-eval's HF backend's dtype "
+                   "(norm statistics and scored log-probabilities stay float32)")
     e.add_argument("--output", metavar="FILE.json", help="also write all results (per item for --mc) as JSON")
     e.add_argument("--log-samples", action="store_true", help="with --tasks and --output: every document's prompt, "
                    "responses and metrics, one JSONL file per task beside FILE.json, as lm_eval --log_samples")

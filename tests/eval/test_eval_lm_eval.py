@@ -103,8 +103,10 @@ def test_registered_model_builds_from_model_args(lm_eval, run_dir):
     assert cls is HybridNormLM
     lm = cls.create_from_arg_string(f"pretrained={run_dir},batch_size=4", {"device": "cpu"})
     assert lm.batch_size == 4 and str(lm.device) == "cpu" and lm.run.run_dir == run_dir
-    with pytest.raises(ConfigError, match="unknown hybridnorm model_args 'dtype'"):
-        cls.create_from_arg_string(f"pretrained={run_dir},dtype=bf16")
+    with pytest.raises(ConfigError, match=r"unknown hybridnorm model_args 'revision'; valid: .*device, dtype,"):
+        cls.create_from_arg_string(f"pretrained={run_dir},revision=main")
+    with pytest.raises(ConfigError, match="dtype='bf16' is not one of auto, float32, bfloat16, float16"):
+        cls.create_from_arg_string(f"pretrained={run_dir},dtype=bf16")  # HFLM's names (test_eval_lm_eval_limit_dtype)
     assert cls(run_dir, batch_size="auto").batch_size == "auto"  # tests/eval/test_eval_auto_batch.py
     with pytest.raises(ConfigError, match="batch_size='auto:none'"):
         cls(run_dir, batch_size="auto:none")

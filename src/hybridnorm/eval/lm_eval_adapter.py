@@ -35,9 +35,11 @@ from hybridnorm.data import chat_templates
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
 from hybridnorm.eval.batched_generation import generate_until_batch
+from hybridnorm.eval.limit import check_limit
 from hybridnorm.eval.lm_eval_checks import (
     MAX_GEN_TOKS_KEYS,
     build_tasks,
+    check_dtype,
     check_gen_kwargs,
     positive_int,
     unreadable_yaml,
@@ -83,20 +85,22 @@ class HybridNormLM(RankedLM, _LMBase):
     when lm-eval first asks for it; the run's ``default`` when not given). ``chat_template_args`` (a dict, or
     its JSON) and ``enable_thinking=False`` are extra template variables, as HFLM's; ``enable_thinking=True``
     is refused: HFLM then cuts each generation's reasoning at its ``think_end_token``, which this adapter
-    does not. Under ``torchrun`` it is one rank of a data-parallel evaluation (it joins the process group
-    if none is joined yet, as HFLM does through accelerate; :mod:`~hybridnorm.eval.lm_eval_ranks`); its
-    default device is then this rank's GPU."""
+    does not. ``dtype``: ``auto`` (the weights as the run stores them), ``float32``, ``bfloat16`` or
+    ``float16``, the weights and activations cast to it as HFLM's ``dtype`` does (a given ``Run``'s model
+    in place); the norms' statistics and the scored log-softmax stay in float32. Under ``torchrun`` it is one
+    rank of a data-parallel evaluation (it joins the process group if none is joined yet, as HFLM does through
+    accelerate; :mod:`~hybridnorm.eval.lm_eval_ranks`); its default device is then this rank's GPU."""
 
     def __init__(self, pretrained: str | Path | Run, batch_size: int | str = 8, device: str | None = None,
                  max_gen_toks: int | str = 256, max_batch_size: int | None = None, chat_template: str | None = None,
                  chat_template_args: dict[str, Any] | str | None = None, enable_thinking: bool | str | None = None,
-                 **kwargs: Any) -> None:
+                 dtype: str | torch.dtype | None = "auto", **kwargs: Any) -> None:
         require_lm_eval()
         super().__init__()
         if kwargs:
             raise ConfigError(f"unknown hybridnorm model_args {', '.join(map(repr, kwargs))}; valid: pretrained, "
-                              f"batch_size, max_batch_size, device, max_gen_toks, chat_template, chat_template_args, "
-                              f"enable_thinking")
+                              f"batch_size, max_batch_size, device, dtype, max_gen_toks, chat_template, "
+                              f"chat_template_args, enable_thinking")
         self.chat_template_name = chat_template
         self.chat_template_args = chat_templates.template_args(chat_template_args, "chat_template_args")
         if enable_thinking is not None:
@@ -107,6 +111,7 @@ class HybridNormLM(RankedLM, _LMBase):
             self.chat_template_args["enable_thinking"] = False
         self._chat: Any = None  # the run's ChatFormatter, built on first use
         spec = BatchSize.parse(batch_size)  # bad values: before the minutes of loading
+        weights = check_dtype(dtype)
         max_batch = MAX_BATCH if max_batch_size is None else positive_int(max_batch_size, "max_batch_size")
         run = pretrained if isinstance(pretrained, Run) else load_run(pretrained)
         self.run, self.model, self.tokenizer = run, run.model, run.tokenizer
@@ -118,7 +123,7 @@ class HybridNormLM(RankedLM, _LMBase):
                 (f"cuda:{launched_local_rank()}" if torch.cuda.is_available() else "cpu")
         try:
             self._device = torch.device(device)
-            self.model.to(self._device).eval()
+            self.model.to(self._device, weights).eval()  # weights None ("auto"): as loaded
         except (RuntimeError, AssertionError) as e:  # a malformed name, or CUDA not built in / not present
             raise ConfigError(f"device={device!r}: {e}") from None
         self.join_ranks(self._device)
@@ -269,21 +274,24 @@ def task_manager(tasks: Sequence[str], include_path: str | Path | Sequence[str |
 
 
 def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Sequence[str],
-                include_path: str | Path | Sequence[str | Path] | None = None, limit: int | None = None,
+                include_path: str | Path | Sequence[str | Path] | None = None, limit: int | float | None = None,
                 num_fewshot: int | None = None, batch_size: int | str = 8, *, max_batch_size: int | None = None,
                 include_defaults: bool | None = None, log_samples: bool = False, bootstrap_iters: int = 100_000,
                 device: str | None = None, apply_chat_template: bool | str = False, fewshot_as_multiturn: bool = False,
                 system_instruction: str | None = None, chat_template_args: dict[str, Any] | str | None = None,
-                seed: int | None = None, gen_kwargs: str | dict[str, Any] | None = None) -> dict[str, Any] | None:
+                seed: int | None = None, gen_kwargs: str | dict[str, Any] | None = None,
+                dtype: str | torch.dtype | None = "auto") -> dict[str, Any] | None:
     """``lm_eval.simple_evaluate`` of a run on ``tasks`` (names or a comma-separated string), with a
     ``TaskManager`` that also finds the shipped ``kjv_mc`` and any ``include_path`` folders. ``limit`` keeps
-    the first N documents of each task. ``batch_size``: an integer, ``"auto"`` or ``"auto:N"`` (from
+    the first N documents of each task, or a fraction of them in (0, 1), as lm-eval
+    (:mod:`~hybridnorm.eval.limit`). ``batch_size``: an integer, ``"auto"`` or ``"auto:N"`` (from
     ``max_batch_size`` down; :class:`HybridNormLM`). ``apply_chat_template`` (True: the run's default chat template; a
     name: that one), ``fewshot_as_multiturn`` and ``system_instruction`` are lm-eval's; ``chat_template_args``
     are extra template variables (``{"enable_thinking": False}``, or its JSON). ``seed`` sets lm-eval's four
     seeds (Python, NumPy, torch, few-shot) as ``lm_eval --seed SEED`` does (None: lm-eval's). ``gen_kwargs``
     (``"do_sample=true,temperature=0.7"`` or a dict) update every generation task's ``generation_kwargs``, as
-    ``lm_eval --gen_kwargs`` does (lm-eval applies them). Returns lm-eval's
+    ``lm_eval --gen_kwargs`` does (lm-eval applies them). ``dtype``: :class:`HybridNormLM`'s (auto, float32,
+    bfloat16, float16; not applied to a given ``HybridNormLM``). Returns lm-eval's
     results dict (``results``, ``n-samples``, ``config``, ... and ``samples`` when ``log_samples``); in a joined
     process group of several ranks (``torchrun``) the documents are split across the ranks, and rank 0 gets
     the results of all of them, every other rank None."""
@@ -293,8 +301,7 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
     names = [t for t in names if t]
     if not names:
         raise ConfigError("no lm-eval tasks given")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ConfigError(f"limit={limit!r} must be a positive integer")
+    limit = check_limit(limit)
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise ConfigError(f"num_fewshot={num_fewshot!r} must be a non-negative integer")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32):
@@ -309,7 +316,7 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                           f"pairs separated by commas, as lm_eval --gen_kwargs)")
     tm = task_manager(names, include_path, include_defaults)
     lm = run_or_path if isinstance(run_or_path, HybridNormLM) else \
-        HybridNormLM(run_or_path, batch_size=batch_size, device=device, max_batch_size=max_batch_size)
+        HybridNormLM(run_or_path, batch_size=batch_size, device=device, max_batch_size=max_batch_size, dtype=dtype)
     if isinstance(apply_chat_template, str):
         lm.chat_template_name = apply_chat_template
     if chat_template_args is not None:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hybridnorm.errors import ConfigError
 
 MAX_GEN_TOKS_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's order
@@ -23,6 +25,21 @@ def positive_int(value: object, name: str) -> int:
     if n < 1 or (isinstance(value, float) and value != n):
         raise ConfigError(f"{name}={value!r} must be a positive integer")
     return n
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # HFLM's names
+
+
+def check_dtype(dtype: str | torch.dtype | None, name: str = "dtype") -> torch.dtype | None:
+    """The model arg ``dtype`` as HFLM's (``auto``, a dtype's name, or a ``torch.dtype``): the torch dtype, or
+    None for ``auto`` (the weights as the run stores them); anything else is one ConfigError."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ConfigError(f"{name}={dtype!r} is not one of auto, {', '.join(DTYPES)} (as lm-eval's HF backend takes it)")
 
 
 def check_gen_kwargs(lm: Any, gen_kwargs: str | dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from hybridnorm.data.corpus import jsonl_records
 from hybridnorm.data.tokenizer import Tokenizer
 from hybridnorm.errors import ConfigError
+from hybridnorm.eval.limit import limit_count
 from hybridnorm.eval.scoring import RowRule, loglikelihood_text
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.distributed import Dist
@@ -150,17 +151,16 @@ def read_mc_jsonl(path: str | Path) -> list[MCItem]:
 
 
 def evaluate_mc(model: TransformerLM, tokenizer: Tokenizer, items: Sequence[MCItem] | str | Path,
-                batch_size: int | RowRule = 8, limit: int | None = None, ranks: Dist | None = None) -> MCResult:
+                batch_size: int | RowRule = 8, limit: int | float | None = None,
+                ranks: Dist | None = None) -> MCResult:
     """Zero-shot ``acc`` / ``acc_norm`` of ``model`` on ``items`` (or a JSONL path); ``limit`` keeps the first
-    items (lm-eval's ``--limit``). All endings of all items go through one batched scoring call. ``ranks``: a
-    joined process group whose ranks share the items (each calls this; each gets every item's result)."""
+    N items, or a fraction of them rounded up, as lm-eval's ``--limit`` (:mod:`~hybridnorm.eval.limit`). All
+    endings of all items go through one batched scoring call. ``ranks``: a joined process group whose ranks
+    share the items (each calls this; each gets every item's result)."""
     source = ""
     if isinstance(items, (str, Path)):
         source, items = str(items), read_mc_jsonl(items)
-    if limit is not None:
-        if limit < 1:
-            raise ConfigError(f"limit={limit} must be >= 1")
-        items = items[:limit]
+    items = items[:limit_count(len(items), limit)]
     lls_of = scored_on_ranks(lambda share: ending_loglikelihoods(model, tokenizer, share, batch_size), items,
                              ranks or Dist())
     results = []

@@ -16,6 +16,8 @@ from hybridnorm.config_base import Config, bounded
 from hybridnorm.data import chat_templates, scored_references
 from hybridnorm.errors import ConfigError
 from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
+from hybridnorm.eval.limit import check_limit
+from hybridnorm.eval.lm_eval_checks import check_dtype
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json, write_samples
 from hybridnorm.loading import Run, evaluate_on, inference_device, load_run, validation_data
 from hybridnorm.train.distributed import Dist, current_dist, launched_world
@@ -38,7 +40,7 @@ class EvalRequest(Config):
     text_field: str | None = None      # of --text's / --data's .jsonl records or parquet columns
     tasks: str | None = None           # comma-separated lm-eval tasks
     include_path: str | None = None
-    limit: int | None = bounded(None, ge=1)
+    limit: str | int | float | None = None  # N documents, or a fraction in (0, 1): eval.limit (text: the CLI's)
     num_fewshot: int | None = bounded(None, ge=0)
     apply_chat_template: str | None = None  # lm-eval prompts as chat: the run's template of this name
     fewshot_as_multiturn: bool = False
@@ -47,6 +49,7 @@ class EvalRequest(Config):
     seed: int | None = bounded(None, ge=0, le=2**32 - 1)  # lm-eval's four seeds (None: lm-eval's); NumPy's bound
     gen_kwargs: str | None = None      # lm-eval's --gen_kwargs: key=value,... over every generation task's own
     device: str | None = None
+    dtype: str = "auto"                # the weights cast to float32 / bfloat16 / float16 (auto: as stored)
     output: str | None = None          # also write the results as JSON
     log_samples: bool = False          # lm-eval's per-document records, a JSONL file per task beside output
     debug: bool = False                # keep lm-eval's own warnings
@@ -69,13 +72,15 @@ class EvalRequest(Config):
             if given and not self.apply_chat_template:
                 raise ConfigError(f"{flag} needs --apply-chat-template (chat turns and their template's variables)")
         chat_templates.template_args(self.chat_template_args, "--chat-template-args")  # before the run loads
+        check_dtype(self.dtype, "--dtype")
         if self.text_field is not None and not (self.text or self.data):
             raise ConfigError("--text-field names the text of --text's or --data's records: give one of them")
         self._check_batch_size()
         if self.log_samples and not self.output:
             raise ConfigError("--log-samples writes its files beside --output FILE.json: give --output")
-        if not (self.mc or self.text or self.tasks) and self.limit is not None:
+        if self.limit is not None and not (self.mc or self.tasks):  # --text scores every document it is given
             raise ConfigError("--limit only applies to --mc and --tasks")
+        object.__setattr__(self, "limit", check_limit(self.limit, "--limit"))
         loss_only = {"--data": self.data, "--batches": self.batches is not None, "--seq-len": self.seq_len is not None}
         if (self.mc or self.text or self.tasks) and any(loss_only.values()):  # they were ignored without a word
             raise ConfigError(f"{', '.join(k for k, v in loss_only.items() if v)}: only for the validation loss "
@@ -129,8 +134,7 @@ def run_eval(req: EvalRequest) -> dict[str, Any]:
 
 def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
     run = load_run(req.checkpoint)
-    if device is not None:
-        run.model.to(device)
+    run.model.to(device, check_dtype(req.dtype, "--dtype"))  # None, None ("auto", no --device): as loaded
     ranks = current_dist()  # under torchrun: this rank's share of every evaluation
     if not (req.mc or req.text or req.tasks):
         return _validation_loss(run, req, ranks)
@@ -184,6 +188,8 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
         samples = res.get("samples") if req.log_samples else None
     if not ranks.is_main:  # another rank's share of a data-parallel evaluation: rank 0 reports it
         return {}
+    if req.dtype != "auto":  # a score of bf16 weights is not the score of the stored ones
+        notes.append(f"weights in {req.dtype} (--dtype)")
     if sizer.sizes:
         notes.append(f"batch sizes found by --batch-size {scoring_batch}: {', '.join(map(str, sizer.sizes))}"
                      + (" (rank 0's; each rank sizes its own)" if ranks.world_size > 1 else ""))
@@ -217,7 +223,8 @@ def _validation_loss(run: Run, req: EvalRequest, ranks: Dist) -> dict[str, Any]:
     # for scale, what two count-based models score on exactly those tokens
     unigram, bigram = scored_references(data.train_tokens(), data.val_tokens(), n_tokens, data.tokenizer.vocab_size)
     print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
-          f"of {source}; on those tokens a unigram model scores {unigram:.4f}, a Kneser-Ney bigram {bigram:.4f}")
+          f"of {source}; on those tokens a unigram model scores {unigram:.4f}, a Kneser-Ney bigram {bigram:.4f}"
+          + (f" (weights in {req.dtype}, --dtype)" if req.dtype != "auto" else ""))
     out = {"checkpoint": str(run.checkpoint),
            "val": {"source": source, "loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens,
                    "unigram_entropy": unigram, "bigram_entropy": bigram}}
