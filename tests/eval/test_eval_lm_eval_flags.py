@@ -172,3 +172,17 @@ def test_a_task_whose_metric_does_not_apply_is_named_under_the_table(run_dir, tm
     assert cli.main(["eval", str(run_dir), "--tasks", "roll_acc", "--include-path", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "roll_acc: lm-eval computed no metric (does its metric_list apply to its output_type?)" in out, out
+
+
+def test_a_task_whose_data_file_is_not_json_is_one_error_line(run_dir, tmp_path, capsys):
+    """datasets' DatasetGenerationError was a traceback (exit 1) before 2026-12-02; its cause says what."""
+    folder = task_folder(tmp_path, {"bad_json": (ROLL, TASKS["flag_roll"][1])})
+    (tmp_path / "bad_json.jsonl").write_text('{"text": "the lord said"}\n{"text": unquoted}\n', encoding="utf-8")
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), "--tasks", "bad_json", "--include-path", str(folder)]) == 2
+    raw = capsys.readouterr().err  # (datasets also logs the failure: a "Logging error" traceback in a test,
+    # whose handler kept an earlier test's closed stream; in a terminal, its one "Failed to load JSON" line)
+    err = [ln for ln in raw.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and raw.strip().splitlines()[-1] == err[0], raw[-2000:]
+    assert err[0].startswith("error: lm-eval could not run bad_json: DatasetGenerationError: "), err
+    assert "JSON parse error" in err[0], err

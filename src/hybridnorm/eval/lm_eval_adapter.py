@@ -325,6 +325,7 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         lm.chat_template(True)  # no template of that name: one error now, not after the tasks are built
     if gen_kwargs:
         check_gen_kwargs(lm, gen_kwargs)  # now, not after every other task has been scored
+    from datasets.exceptions import DatasetsError
     from jinja2.exceptions import TemplateError
     from lm_eval import simple_evaluate
 
@@ -346,8 +347,9 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
             raise
         raise lost from e
     # a task's YAML, template, dataset or !function module: bad input, one line
-    except (OSError, ValueError, KeyError, ImportError, TypeError, SyntaxError, TemplateError) as e:
-        msg = " ".join(str(e).split())
+    except (OSError, ValueError, KeyError, ImportError, TypeError, SyntaxError, TemplateError, DatasetsError) as e:
+        cause = e.__cause__ if isinstance(e, DatasetsError) else None  # "An error occurred ...": its cause says what
+        msg = " ".join(f"{e}{f' ({type(cause).__name__}: {cause})' if cause else ''}".split())
         if lm.world_size > 1 and "did not find any docs" in msg:  # this rank's share of a task is empty
             msg += (f" (rank {lm.rank} of {lm.world_size}: lm-eval splits each task's documents across the "
                     f"{lm.world_size} processes, one in {lm.world_size} each, so every task needs at least "
