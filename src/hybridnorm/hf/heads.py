@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.initialization import guard_torch_init_functions
 from transformers.modeling_outputs import (
     QuestionAnsweringModelOutput,
     SequenceClassifierOutputWithPast,
@@ -36,6 +37,7 @@ from transformers.utils import logging
 from hybridnorm.hf.compat import CACHE_FIELD, cache_arg, with_cache
 from hybridnorm.hf.configuration import HybridNormConfig
 from hybridnorm.hf.modeling import HybridNormPreTrainedModel, _return_dict
+from hybridnorm.nn.init import trunc_normal
 
 __all__ = ["HybridNormForQuestionAnswering", "HybridNormForSequenceClassification",
            "HybridNormForTokenClassification"]
@@ -51,6 +53,21 @@ class _HeadModel(HybridNormPreTrainedModel):
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
         self.model.lm_head = None
+
+    @torch.no_grad()
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        # A task head (score, qa_outputs) is drawn with the scheme's σ, which initializer_range sets, as
+        # transformers' heads are drawn with initializer_range. Not with the LM head's σ: under megatron that is
+        # 1/√d whatever initializer_range says (HybridNorm's Table 10, about the LM head), so a classifier loaded
+        # with ignore_mismatched_sizes (or built) under a vanishing initializer_range kept random weights, where
+        # transformers' model tests (_config_zero_init) ask every random draw to scale with it.
+        if isinstance(module, torch.nn.Linear) and any(module is m for k, m in self.named_children() if k != "model"):
+            with guard_torch_init_functions():  # a loaded weight is never redrawn
+                trunc_normal(module.weight, self.model.config.std)
+                if module.bias is not None:
+                    torch.nn.init.zeros_(module.bias)
+            return
+        super()._init_weights(module)
 
     def _hidden(self, input_ids: Tensor | None, attention_mask: Tensor | None, position_ids: Tensor | None,
                 cache: Any, inputs_embeds: Tensor | None, use_cache: bool | None, output_attentions: bool | None,

@@ -105,8 +105,8 @@ class HybridNormPreTrainedModel(PreTrainedModel):
             elif isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and "model" in self._modules \
                     and all(module.weight is not p for p in self.model.parameters()):
                 # a weight outside the model: resize_token_embeddings(mean_resizing=False)'s new embedding or head,
-                # or a task head (hybridnorm.hf.heads), drawn as the scheme draws the LM head, which reads the same
-                # hidden states (torch's default would be N(0, 1)); not tied_head, whose weight is the embedding's
+                # drawn as the scheme draws the LM head (torch's default would be N(0, 1)); a task head draws its
+                # own (hybridnorm.hf.heads); not tied_head, whose weight is the embedding's
                 mc = self.model.config
                 std = mc.std if isinstance(module, torch.nn.Embedding) \
                     else head_std(mc.resolved_init(), mc.std, mc.d_model)
