@@ -1,7 +1,8 @@
-"""What transformers' own model tests (``ModelTesterMixin``, run by ``CausalLMModelTest`` on a causal LM and its
-task heads) ask that the other files here do not already check: every random draw of a task head scales with
-``initializer_range`` (their ``_config_zero_init`` checks, on a built head and on one loaded with
-``ignore_mismatched_sizes``)."""
+"""What transformers' own model tests (``ModelTesterMixin``, ``ConfigTester``, run by ``CausalLMModelTest`` on a
+causal LM and its task heads) ask that the other files here do not already check: every random draw of a task
+head scales with ``initializer_range`` (their ``_config_zero_init`` checks, on a built head and on one loaded
+with ``ignore_mismatched_sizes``), and the config takes the common properties as ``ConfigTester`` sets them,
+refusing a size no model has with the one error type that tester accepts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
+from hybridnorm import ConfigError
 from hybridnorm.hf import HybridNormConfig
+from hybridnorm.hf.configuration import UnbuildableConfigError
 from hybridnorm.hf.heads import (
     HybridNormForQuestionAnswering,
     HybridNormForSequenceClassification,
@@ -76,3 +79,20 @@ def test_a_head_of_another_shape_loaded_with_ignore_mismatched_sizes_is_drawn_wi
     for name, p in model.named_parameters():
         assert round(p.mean().item() * 1e9) / 1e9 in (0.0, 1.0), name
 
+
+def test_the_common_properties_as_config_tester_sets_them() -> None:
+    """ConfigTester.create_and_test_config_common_properties: each of hidden_size, num_attention_heads,
+    num_hidden_layers and vocab_size set to its index (0, 1, 2, 3) on a config reads back, and builds a config
+    with that value, or raises NotImplementedError. hidden_size=0 describes no model: refused as before (a
+    ConfigError naming both names), and that error is a NotImplementedError too."""
+    props = ["hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"]
+    cfg = HybridNormConfig()
+    for value, name in enumerate(props):
+        setattr(cfg, name, value)
+        assert getattr(cfg, name) == value
+    with pytest.raises(UnbuildableConfigError, match=r"hidden_size \(model\.d_model\)=0 must be >= 1") as err:
+        HybridNormConfig(hidden_size=0)
+    assert isinstance(err.value, ConfigError) and isinstance(err.value, ValueError)
+    assert isinstance(err.value, NotImplementedError)
+    for value, name in list(enumerate(props))[1:]:
+        assert getattr(HybridNormConfig(**{name: value}), name) == value

@@ -54,6 +54,14 @@ _HF_NAME = {name: hf_name for hf_name, name in _STANDARD_FIELDS.items() if hf_na
     f"moe.{name}": hf_name for hf_name, name in _MOE_FIELDS.items()} | {"tie_embeddings": "tie_word_embeddings"}
 
 
+class UnbuildableConfigError(ConfigError, NotImplementedError):
+    """A config whose values describe no model (``hidden_size=0``, heads that do not divide it, ...): refused
+    when it is made, not when a model is built from it. A :class:`ConfigError` (a ValueError) as every config
+    error, and a NotImplementedError: the type transformers' ``ConfigTester`` accepts from a config class that
+    cannot take a value it tries on a common property (it builds ``Config(hidden_size=0)``, which a stock
+    config without that check accepts and no model can be built from)."""
+
+
 class HybridNormConfig(PretrainedConfig):
     """``hybridnorm``: the :class:`hybridnorm.ModelConfig` as a dict (placement as data); the standard
     size fields and ``tie_word_embeddings`` given beside it must say what it says (a ConfigError naming both
@@ -161,7 +169,7 @@ class HybridNormConfig(PretrainedConfig):
                 # HF's vocab_size counts embedding rows (resize_token_embeddings sets it): no padding on top
                 mc = ModelConfig.from_dict({**d, "vocab_size": self.vocab_size, "pad_vocab_multiple": 1})
         except ConfigError as e:  # name the field as the caller of this class spelled it, too
-            raise ConfigError(re.sub(r"\bmodel\.((?:moe\.)?\w+)", _both_names, str(e))) from None
+            raise UnbuildableConfigError(re.sub(r"\bmodel\.((?:moe\.)?\w+)", _both_names, str(e))) from None
         if self.hybridnorm and self.placement is not None:
             _check_placement_name(self.placement, mc)
         mc.placement = mc.resolved_placement().to_dict()
