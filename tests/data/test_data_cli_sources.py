@@ -3,6 +3,7 @@ too small to evaluate, and folders with symbolic links (to a folder, back up the
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -106,3 +107,20 @@ def test_a_train_split_smaller_than_one_batch_names_the_split_and_the_source(tmp
     line = _error_line(capsys.readouterr().err)
     assert rc == 2
     assert f"the train split of data.source={str(src)!r}" in line and "fewer than one global batch of 64" in line
+
+
+def test_a_bpe_vocab_the_corpus_cannot_fill_is_noted_in_the_run_log(tmp_path, capsys):
+    """config.yaml keeps the asked data.vocab_size while the model follows the tokenizer's smaller one; only
+    the header's "vocab N" said so."""
+    src = tmp_path / "c.txt"
+    src.write_text("".join(f"line {i} of a small corpus about {i * 7} things\n" for i in range(300)),
+                   encoding="utf-8")
+    out = tmp_path / "run"
+    rc = cli.main(["train", *tiny_overrides(src, tmp_path / "cache", out), "--max_steps=1", "--data.tokenizer=bpe",
+                   "--data.vocab_size=100000"])
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert rc == 0
+    n = len(json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"])  # eot included
+    assert f"note: data.vocab_size=100000: the BPE tokenizer trained on this corpus has {n} tokens" in text
+    assert f"vocab {n};" in text

@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -90,6 +91,16 @@ class PreparedData:
     def label(self, split: str) -> str:
         """How errors name one split of this data: ``the train split of data.source='x'``."""
         return f"the {split} split of data.source={self.source!r}"
+
+    def short_vocab_note(self, asked: Any) -> str | None:
+        """The run log's note when ``asked`` (the train config's data section) is ``tokenizer: bpe`` with more
+        tokens than training the BPE on this corpus found merges for: config.yaml keeps the asked
+        ``data.vocab_size``, the model follows the tokenizer, and only the header's vocab said so."""
+        vocab_size = asked.vocab_size
+        if asked.tokenizer != "bpe" or self.vocab_size >= vocab_size:
+            return None
+        return (f"data.vocab_size={vocab_size}: the BPE tokenizer trained on this corpus has {self.vocab_size} "
+                f"tokens (it ran out of pairs to merge); the model's vocabulary is {self.vocab_size}")
 
     def check_val_windows(self, seq_len: int) -> None:
         """Evaluation scores windows of ``seq_len + 1`` validation tokens: a split without one is refused
