@@ -125,7 +125,7 @@ def numerics(ctx: Any) -> Result:
 CUDA_TEST_FILES = ("tests/nn/test_cuda_parity.py", "tests/nn/test_float8.py", "tests/train/test_host_sync.py",
                    "tests/test_step_profile.py", "tests/test_cli_environment.py", "tests/hf/test_hf_sampling.py",
                    "tests/eval/test_eval_auto_batch.py", "tests/eval/test_eval_batched_generation.py",
-                   "tests/nn/test_attention_backend.py")
+                   "tests/nn/test_attention_backend.py", "tests/train/test_checkpoint_schema.py")
 
 
 def cuda_tests(ctx: Any) -> Result:
