@@ -206,10 +206,14 @@ def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM
                what=f"the model in {path}")
     hf = folder.load_model(path, cfg, weights)
     model = TransformerLM(mc)  # our own blocks and attention kernel, not the HF class's transformers parts
-    if cfg.model_type == MODEL_TYPE:
-        model.load_state_dict(hf.model.state_dict(), strict=True)
-    else:
-        model.load_state_dict(stock.from_hf_state_dict(hf.state_dict(), mc, arch), strict=True)
+    try:
+        if cfg.model_type == MODEL_TYPE:
+            model.load_state_dict(hf.model.state_dict(), strict=True)
+        else:
+            model.load_state_dict(stock.from_hf_state_dict(hf.state_dict(), mc, arch), strict=True)
+    except RuntimeError as e:  # a shape the config read implies and the folder's class does not: one error line
+        raise ConfigError(f"the weights in {path} do not fit the model its config.json describes: "
+                          f"{folder.one_line(e)[:400]}") from None
     return model.eval(), cfg.model_type
 
 

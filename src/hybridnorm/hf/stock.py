@@ -53,7 +53,9 @@ class StockArch:
     sublayer: str        # "pre" | "reordered"
     qk_norm: str         # "" | "head" | "full"
     moe: bool
-    free_head_dim: bool  # config.head_dim may differ from hidden_size / heads (else it is derived)
+    # the config class declares head_dim, so an export may set it != hidden_size / heads (the others' config.json
+    # may still carry one, which their modeling reads: an import honours it, an export writes our own class)
+    free_head_dim: bool
     # Mixtral always renormalizes the top-k gate weights; the others follow config.norm_topk_prob.
     renormalizes_topk: bool | None = None
     fused: bool = False  # Q/K/V in one qkv_proj and gate/up in one gate_up_proj (Phi-3), as ours are
@@ -194,7 +196,13 @@ def from_hf_config(cfg: Any) -> tuple[ModelConfig, StockArch]:
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     d, heads = cfg.hidden_size, cfg.num_attention_heads
-    head_dim = (_get(cfg, "head_dim") if arch.free_head_dim else None) or d // heads
+    # every stock class's attention and RoPE read ``getattr(config, "head_dim", hidden / heads)``, so a head_dim
+    # in config.json counts even where the config class does not declare one (OLMo-2, Phi-3, OLMoE, FlexOlmo):
+    # deriving it there built a model whose Q/K/V shapes were not the folder's
+    head_dim = _get(cfg, "head_dim") or d // heads
+    if arch.model_type == "olmoe" and head_dim * heads != d:
+        raise ConfigError(f"{where}: head_dim={head_dim} != hidden_size / num_attention_heads = {d // heads}: OLMoE's "
+                          "q_norm is hidden_size wide, so no model (transformers' own neither) runs these weights")
     moe = None
     ffn = cfg.intermediate_size
     if arch.moe:

@@ -1,0 +1,74 @@
+"""``hybridnorm import`` of stock folders whose config.json says more than the config class declares: the stock
+model's own logits (fp32, from_pretrained of the same folder) are the oracle. Either the imported run computes
+them, or the import is one ConfigError naming the field; never other logits, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from hybridnorm.config import ModelConfig, MoEConfig
+from hybridnorm.data.tokenizer import ByteTokenizer
+from hybridnorm.errors import ConfigError
+from hybridnorm.hf import stock
+from hybridnorm.hf.export import hf_tokenizer, import_hf, load_hf
+from hybridnorm.loading import load_run
+
+TOL = 1e-5
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _stock_folder(path: Path, model_type: str, **overrides) -> tuple[stock.StockArch, Path]:
+    """A tiny random stock model saved by transformers (norm gains != 1, so a swapped norm shows), with a tokenizer."""
+    arch = stock.BY_TYPE[model_type]
+    moe = MoEConfig(num_experts=4, top_k=2, normalize_topk=True) if arch.moe else None
+    mc = ModelConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=48,
+                     max_seq_len=64, placement="pre", tie_embeddings=False, moe=moe)
+    kwargs = stock.to_hf_config_kwargs(mc, arch, eos_token_id=256) | overrides
+    torch.manual_seed(0)
+    model = stock.stock_model_class(arch)(stock.stock_config_class(arch)(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    hf_tokenizer(ByteTokenizer()).save_pretrained(path)
+    return arch, path
+
+
+def _stock_logits(arch: stock.StockArch, path: Path) -> torch.Tensor:
+    theirs = stock.stock_model_class(arch).from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return theirs(_ids()).logits
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "phi3", "flex_olmo"])
+def test_a_head_dim_the_config_class_does_not_declare_is_the_one_the_stock_model_uses(tmp_path: Path,
+                                                                                     model_type: str) -> None:
+    """OLMo-2's, Phi-3's and FlexOlmo's attention read ``getattr(config, "head_dim", hidden / heads)``, so a
+    config.json with ``head_dim: 16`` (hidden / heads = 8) is a model with 16-wide heads; the import derived 8
+    and failed with a state-dict traceback."""
+    arch, path = _stock_folder(tmp_path / "hf", model_type, head_dim=16)
+    assert json.loads((path / "config.json").read_text())["head_dim"] == 16
+    run = load_run(import_hf(path, tmp_path / "run"))
+    assert run.config.model.head_dim == 16
+    with torch.no_grad():
+        assert (run.model(_ids()) - _stock_logits(arch, path)).abs().max().item() <= TOL
+
+
+def test_olmoe_with_head_dim_unlike_hidden_over_heads_is_refused_naming_head_dim(tmp_path: Path) -> None:
+    """OLMoE's q_norm is hidden_size wide, so such a folder runs nowhere (the stock model fails on its first
+    forward): one ConfigError naming head_dim, not a state-dict traceback."""
+    arch, path = _stock_folder(tmp_path / "hf", "olmoe", head_dim=16)
+    with pytest.raises(RuntimeError):  # the stock model itself cannot run it
+        _stock_logits(arch, path)
+    with pytest.raises(ConfigError, match=r"config.json: olmoe config: head_dim=16 != hidden_size"):
+        load_hf(path)
