@@ -72,3 +72,22 @@ def test_olmoe_with_head_dim_unlike_hidden_over_heads_is_refused_naming_head_dim
         _stock_logits(arch, path)
     with pytest.raises(ConfigError, match=r"config.json: olmoe config: head_dim=16 != hidden_size"):
         load_hf(path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_tied_config_whose_files_hold_another_lm_head_imports_the_files_head(tmp_path: Path,
+                                                                              model_type: str) -> None:
+    """``tie_word_embeddings: true`` with an ``lm_head.weight`` unlike the embedding in the files: transformers
+    leaves them untied and computes with the file's head; the import tied them (logits off by ~20)."""
+    from safetensors.torch import load_file, save_file
+
+    arch, path = _stock_folder(tmp_path / "hf", model_type, tie_word_embeddings=True)
+    sd = load_file(path / "model.safetensors")
+    assert "lm_head.weight" not in sd
+    embed = sd["model.embed_tokens.weight"]
+    sd["lm_head.weight"] = torch.randn(embed.shape, generator=torch.Generator().manual_seed(2))
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    run = load_run(import_hf(path, tmp_path / "run"))
+    assert not run.config.model.tie_embeddings
+    with torch.no_grad():
+        assert (run.model(_ids()) - _stock_logits(arch, path)).abs().max().item() <= TOL

@@ -205,6 +205,11 @@ def load_hf(path: str | Path, allow_pickle: bool = False) -> tuple[TransformerLM
     check_fits(mc, "cpu", training=False, copies=copies + (weights.kind == "pickle"),
                what=f"the model in {path}")
     hf = folder.load_model(path, cfg, weights)
+    if cfg.model_type != MODEL_TYPE and mc.tie_embeddings \
+            and hf.get_output_embeddings().weight is not hf.get_input_embeddings().weight:
+        # tie_word_embeddings=true, but the files hold an lm_head.weight unlike the embedding: transformers then
+        # leaves the two untied (a warning) and computes with the file's head, so the import must as well
+        mc.tie_embeddings = False
     model = TransformerLM(mc)  # our own blocks and attention kernel, not the HF class's transformers parts
     try:
         if cfg.model_type == MODEL_TYPE:
