@@ -91,3 +91,22 @@ def test_a_tied_config_whose_files_hold_another_lm_head_imports_the_files_head(t
     assert not run.config.model.tie_embeddings
     with torch.no_grad():
         assert (run.model(_ids()) - _stock_logits(arch, path)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
+def test_layer_types_with_a_sliding_layer_is_refused_naming_layer_types(tmp_path: Path, model_type: str) -> None:
+    """A ``sliding_attention`` entry in layer_types (transformers' caches read it for every class) was imported
+    as full attention; the stock model builds a sliding-window cache for it. Full-only layer_types still import
+    with the stock logits."""
+    arch, path = _stock_folder(tmp_path / "full", model_type, layer_types=["full_attention"] * 2,
+                               **({"sliding_window": None} if model_type == "mistral" else {}))
+    run_model, _ = load_hf(path)
+    with torch.no_grad():
+        assert (run_model(_ids()) - _stock_logits(arch, path)).abs().max().item() <= TOL
+    cfg = json.loads((path / "config.json").read_text())
+    # Mistral's own sliding_window stays null here: a set one is refused by its name first
+    window = {"sliding_window": 8} if model_type == "qwen3" else {}
+    layer_types = {"layer_types": ["full_attention", "sliding_attention"]}
+    (path / "config.json").write_text(json.dumps(cfg | layer_types | window))
+    with pytest.raises(ConfigError, match=r"layer_types=\['full_attention', 'sliding_attention'\]: only full_att"):
+        load_hf(path)

@@ -191,6 +191,9 @@ def from_hf_config(cfg: Any) -> tuple[ModelConfig, StockArch]:
                                                   and _get(cfg, "sliding_window")):
         raise ConfigError(f"{where}: sliding-window attention is not supported (sliding_window="
                           f"{_get(cfg, 'sliding_window')})")
+    layer_types = _get(cfg, "layer_types") or ()
+    if any(t != "full_attention" for t in layer_types):  # transformers' caches make a sliding layer of it
+        raise ConfigError(f"{where}: layer_types={list(layer_types)}: only full_attention layers are supported")
     try:
         theta, rope_scaling = from_rope_parameters(_get(cfg, "rope_parameters") or {})
     except ConfigError as e:
