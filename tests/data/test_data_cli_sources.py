@@ -96,14 +96,18 @@ def test_a_data_file_with_an_upper_case_suffix_is_read_in_a_folder_as_alone(tmp_
     assert load_corpus(root / "A.TXT", val_fraction=0.0).train == ["an old DOS file\n"]
 
 
+def _train_on(tmp_path: Path, capsys, lines: list[str], *flags: str) -> tuple[Path, int, Path]:
+    """``train`` one step of the tiny model on a text file of ``lines``: (the file, exit code, run folder)."""
+    src, out = tmp_path / "c.txt", tmp_path / "run"
+    src.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    capsys.readouterr()
+    return src, cli.main(["train", *tiny_overrides(src, tmp_path / "cache", out), "--max_steps=1", *flags]), out
+
+
 def test_a_train_split_smaller_than_one_batch_names_the_split_and_the_source(tmp_path, capsys):
     """The error said "the data has N tokens": neither which split nor which source."""
-    src = tmp_path / "small.txt"
-    src.write_text("".join(f"line {i:02d} of the word and light, said twice over\n" for i in range(40)),
-                   encoding="utf-8")
-    out = tmp_path / "run"
-    rc = cli.main(["train", *tiny_overrides(src, tmp_path / "cache", out), "--max_steps=1", "--batch_size=64",
-                   "--grad_accum=1"])
+    src, rc, _ = _train_on(tmp_path, capsys, [f"line {i:02d} of the word and light, said over" for i in range(40)],
+                           "--batch_size=64", "--grad_accum=1")
     line = _error_line(capsys.readouterr().err)
     assert rc == 2
     assert f"the train split of data.source={str(src)!r}" in line and "fewer than one global batch of 64" in line
@@ -112,12 +116,8 @@ def test_a_train_split_smaller_than_one_batch_names_the_split_and_the_source(tmp
 def test_a_bpe_vocab_the_corpus_cannot_fill_is_noted_in_the_run_log(tmp_path, capsys):
     """config.yaml keeps the asked data.vocab_size while the model follows the tokenizer's smaller one; only
     the header's "vocab N" said so."""
-    src = tmp_path / "c.txt"
-    src.write_text("".join(f"line {i} of a small corpus about {i * 7} things\n" for i in range(300)),
-                   encoding="utf-8")
-    out = tmp_path / "run"
-    rc = cli.main(["train", *tiny_overrides(src, tmp_path / "cache", out), "--max_steps=1", "--data.tokenizer=bpe",
-                   "--data.vocab_size=100000"])
+    _, rc, out = _train_on(tmp_path, capsys, [f"line {i} of a small corpus about {i * 7} things" for i in range(300)],
+                           "--data.tokenizer=bpe", "--data.vocab_size=100000")
     captured = capsys.readouterr()
     text = captured.out + captured.err
     assert rc == 0
