@@ -91,6 +91,33 @@ def test_a_data_file_changed_under_the_same_path_is_named(tmp_path):
                                                  "9,100 train / 1,000 val tokens, unigram 5.9"}
 
 
+def test_a_data_hash_first_recorded_on_resume_is_not_a_change_of_data(tmp_path):
+    """A run trained before data_sha256 was logged and resumed by code that logs it, beside a run of the new
+    code: the data is the same (the counts agree) and one hash unknown is not a difference. A key holding the
+    hash named the run "resumed on other data" and put the two runs in different budgets."""
+    sha = {"data_sha256": "c" * 64}
+    resumed = [{"step": 0, "tokens_per_step": 32}, {"step": 5, "tokens_per_step": 32, **sha}]
+    runs = [_run(tmp_path, "pre", 0, 5.0, metas=resumed), _run(tmp_path, "post", 0, 5.1, metas=[
+        {"step": 0, "tokens_per_step": 32, **sha}])]
+    data, text = _report(tmp_path, runs)
+    assert data["differs"] == ["placement"]
+    assert "Resumed across data" not in text and "content differs" not in text
+    assert runs[0].budget == runs[1].budget
+
+
+def test_a_same_count_edit_of_the_data_is_named_by_its_hash(tmp_path):
+    """Two runs whose data files differ with every count alike (a same-size typo fix under the byte
+    tokenizer): only data_sha256 tells them apart."""
+    runs = [_run(tmp_path, p, s, v, metas=[{"step": 0, "tokens_per_step": 32, "data_sha256": h * 64}])
+            for s, h in ((0, "a"), (1, "b")) for p, v in (("pre", 5.0), ("post", 5.1))]
+    data, text = _report(tmp_path, runs)
+    assert data["differs"] == ["placement", "seed", "data files"]
+    assert "(files differ: sha256 aaaaaaaaaaaaaaaa (2 runs) / bbbbbbbbbbbbbbbb (2 runs))" in \
+        _line(text, "Setup shared by every run")
+    assert {g["label"] for g in data["groups"]} == {f"{p} [data files {h * 16}]" for p in ("pre", "post")
+                                                   for h in "ab"}
+
+
 def test_a_run_resumed_after_a_code_change_reports_every_session(tmp_path):
     resumed = [{"step": 0, "tokens_per_step": 32, "code": CODE_A}, {"step": 5, "tokens_per_step": 32, "code": CODE_B}]
     runs = [_run(tmp_path, "pre", 0, 5.0, metas=resumed),

@@ -9,10 +9,11 @@ two versions of the code, each in its own ``meta`` record. Reports compare runs 
 
 The data fingerprint is what the trainer computed from the tokens themselves and logged in every ``meta``
 record (train and validation token counts, the unigram cross-entropy of validation under the train
-counts) and, since 2026-12, the sha256 of the data files' content (``data_sha256``: no path, no mtime):
-any edit of the corpus changes it, even one that keeps every count (lines swapped, a same-size typo fix
-under the byte tokenizer), and a ``touch`` or a copy does not.
-"""
+counts); since 2026-12-02 also the sha256 of the data files' content (``data_sha256``: no path, no
+mtime), which names an edit that keeps every count (lines swapped, a same-size typo fix under the byte
+tokenizer); a ``touch`` or a copy changes neither. The hash is compared only among sessions that record
+it (:func:`data_sha`): a run or session from before it is not "other data" for lacking it. The budget
+(which losses compare, for the relative stall rule) keeps to the counts."""
 
 from __future__ import annotations
 
@@ -84,16 +85,21 @@ def tokens_seen(r: Logged) -> int:
 
 def data_key(meta: dict[str, Any]) -> str | None:
     """The data a session read, from the statistics the trainer computed on its tokens (module docstring):
-    ``"<train>/<val> tokens, unigram <u>"``, then ``", sha256 <first 16 hex>"`` of its data files where the
-    record has it; None for a record without the counts (an older trainer's). The entropy is kept to 9
-    significant digits: recomputed elsewhere it may differ in the last bits."""
+    ``"<train>/<val> tokens, unigram <u>"``; None for a record without them (an older trainer's). The
+    entropy is kept to 9 significant digits: recomputed elsewhere it may differ in the last bits."""
     n_train, n_val = _whole(meta.get("train_tokens_available")), _whole(meta.get("val_tokens_available"))
     u = meta.get("unigram_entropy")
     if n_train is None or n_val is None or not isinstance(u, (int, float)) or not math.isfinite(u):
         return None
+    return f"{n_train:,} train / {n_val:,} val tokens, unigram {u:.9g}"
+
+
+def data_sha(meta: dict[str, Any]) -> str | None:
+    """The first 16 hex digits of the session's ``data_sha256`` (module docstring); None before it was logged.
+    Kept apart from :func:`data_key`: a hash one session lacks is unknown, not different, so a run resumed by
+    the code that first logged it, or runs of both codes, stay comparable (a key holding it split them)."""
     sha = meta.get("data_sha256")
-    return f"{n_train:,} train / {n_val:,} val tokens, unigram {u:.9g}" + (
-        f", sha256 {sha[:16]}" if isinstance(sha, str) and sha else "")
+    return sha[:16] if isinstance(sha, str) and sha else None
 
 
 def data_keys(r: Logged) -> list[str]:
@@ -121,7 +127,7 @@ def sessions(r: Logged) -> list[dict[str, Any]]:
     """Each session of the run (one per ``meta`` record: the first start and every resume): the step it
     started from, the code and the hardware that ran it, the data it read."""
     return [{"from_step": m.get("step", 0), "code": m.get("code"), "hardware": m.get("hardware"),
-             "data": data_key(m)} for m in (r.metas or [r.meta])]
+             "data": data_key(m), "data_sha256": data_sha(m)} for m in (r.metas or [r.meta])]
 
 
 def distinct(values: list[Any]) -> list[Any]:

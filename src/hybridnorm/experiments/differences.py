@@ -57,6 +57,7 @@ def ran_differences(runs: Sequence[RunRecord]) -> list[str]:
     checks = {"tokens per step": [as_run.tokens_per_step(r) for r in runs],
               "validation tokens": [as_run.val_tokens(r) for r in runs],
               "data content": [k for r in runs for k in as_run.data_keys(r)],
+              "data files": [v for r in runs for v in as_run.session_values(r, "data_sha256")],  # known ones
               "code": [v for r in runs for v in as_run.session_values(r, "code")],
               "hardware": [v for r in runs for v in as_run.session_values(r, "hardware")]}
     return [name for name, values in checks.items() if len(as_run.distinct(values)) > 1]
@@ -91,9 +92,12 @@ def ran_apart(runs: Sequence[RunRecord]) -> dict[str, str]:
     for cell in cells.values():
         tps = {as_run.tokens_per_step(r) for r in cell}
         data = {tuple(as_run.data_keys(r)) for r in cell}
+        files = as_run.distinct([v for r in cell for v in as_run.session_values(r, "data_sha256")])
         for r in cell:
             parts = [f"{as_run.tokens_per_step(r) or 0:,} tokens/step"] if len(tps) > 1 else []
             parts += [f"data {' then '.join(as_run.data_keys(r)) or 'not recorded'}"] if len(data) > 1 else []
+            shas = as_run.session_values(r, "data_sha256")
+            parts += [f"data files {' then '.join(shas) or 'not recorded'}"] if len(files) > 1 else []
             if parts:
                 notes[r.path.name] = "[" + "; ".join(parts) + "]"
     return notes
@@ -158,6 +162,9 @@ def setup_line(done: Sequence[RunRecord]) -> str:
     keys = [(as_run.data_keys(r) or [None])[-1] for r in done]  # a run resumed on other data: resumed_line
     if len(as_run.distinct(keys)) > 1:
         line += f" (content differs: {_figure(keys)})"
+    shas = [(as_run.session_values(r, "data_sha256") or [None])[-1] for r in done]
+    if len(as_run.distinct(shas)) > 1:  # counts alike or not: the files' content, where both runs record it
+        line += f" (files differ: sha256 {_figure(shas)})"
     every = cfg("diagnostics", "every")
     if len(as_run.distinct(every)) > 1:
         line += f"; per-layer diagnostics every {_figure(every)} steps (measuring only)"
@@ -212,6 +219,8 @@ def describe_setup(done: Sequence[RunRecord], fields: dict[str, list[str]], base
     lines += resumed_line(done, "code", describe_code, "code versions")
     lines += resumed_line(done, "hardware", describe_hardware, "hardware")
     lines += resumed_line(done, "data", str, "data (the data file changed under its path)")
+    lines += resumed_line(done, "data_sha256", lambda v: v or "not recorded",
+                          "data files (sha256: an edit that may keep every count)")
     if "init" in fields["varying"] and any(r.init == "paper" for r in done):
         lines += ["**Init is confounded with placement** where the init axis is `paper`: each placement "
                   "uses its paper default (listed per row). Compare rows with one init for all to separate "

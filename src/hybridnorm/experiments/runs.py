@@ -150,6 +150,7 @@ class RunRecord:
             "last_val_loss": _num(last_eval.get("val_loss")), "last_val_step": last_eval.get("step"),
             "val_tokens": as_run.val_tokens(self), "tokens_per_step": as_run.tokens_per_step(self),
             "unigram_entropy": self.meta.get("unigram_entropy"), "data": (as_run.data_keys(self) or [None])[-1],
+            "data_sha256": (as_run.session_values(self, "data_sha256") or [None])[-1],
             "tokens_seen": as_run.tokens_seen(self), "steps": self.last_step,
             "max_steps": cfg.get("max_steps"), "lr": optim.get("lr"), "warmup_steps": optim.get("warmup_steps"),
             "grad_clip": optim.get("grad_clip"), "n_layers": self.n_layers, "d_model": model.get("d_model"),
