@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hybridnorm.errors import ConfigError
+from hybridnorm.train.tensor_check import CAST_DTYPES as DTYPES  # HFLM's names too
 
 MAX_GEN_TOKS_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's order
 
@@ -27,7 +28,6 @@ def positive_int(value: object, name: str) -> int:
     return n
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # HFLM's names
 
 
 def check_dtype(dtype: str | torch.dtype | None, name: str = "dtype") -> torch.dtype | None:

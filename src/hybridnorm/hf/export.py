@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from hybridnorm.config import ModelConfig
@@ -34,8 +33,8 @@ from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
 from hybridnorm.train.preflight import check_fits, check_output_folder, staged_folder
 from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
+from hybridnorm.train.tensor_check import CAST_DTYPES as DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCH_CHOICES: tuple[str, ...] = ("auto", MODEL_TYPE, *stock.BY_TYPE)
 
 

@@ -25,6 +25,8 @@ from hybridnorm.errors import ConfigError
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 TORCH_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# what a model may be cast to by name (export --dtype, eval --dtype / lm-eval's dtype model_arg)
+CAST_DTYPES = {name: FLOAT_DTYPES[TORCH_NAMES[name]] for name in ("float32", "bfloat16", "float16")}
 
 
 def header_dtypes(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
