@@ -1,5 +1,6 @@
 """Data sources through the real command line, as a user meets them: a corpus whose validation split is
-too small to evaluate, and folders with symbolic links (to a folder, back up the tree, to nothing)."""
+too small to evaluate, folders with symbolic links (to a folder, back up the tree, to nothing), a parquet
+file with a null text."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from train_helpers import tiny_overrides
 
 from hybridnorm import cli
@@ -124,3 +126,21 @@ def test_a_bpe_vocab_the_corpus_cannot_fill_is_noted_in_the_run_log(tmp_path, ca
     n = len(json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))["model"]["vocab"])  # eot included
     assert f"note: data.vocab_size=100000: the BPE tokenizer trained on this corpus has {n} tokens" in text
     assert f"vocab {n};" in text
+
+
+def test_a_parquet_null_text_is_one_error_naming_the_file_row_and_column(tmp_path, capsys):
+    """A null in a .parquet file's text column was dropped without a word (a .jsonl record's null text was
+    already one error naming file:line): the run trained on fewer documents than the file holds."""
+    pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed: parquet sources are optional")
+    import pyarrow.parquet as pq
+
+    src, out = tmp_path / "docs.parquet", tmp_path / "run"
+    texts = [f"document {i}: " + "the river ran by the city gates " * 8 for i in range(40)]
+    pq.write_table(pa.table({"body": [*texts[:7], None, *texts[7:], None], "id": list(range(42))}), src)
+    before = _snapshot(tmp_path)
+    rc = cli.main(["train", *tiny_overrides(src, tmp_path / "cache", out), "--max_steps=1", "--data.text_field=body"])
+    line = _error_line(capsys.readouterr().err)
+    assert rc == 2
+    assert (f"{src}: row 7 (counted from 0): no string in column 'body' (null, as in 2 of its 42 rows; its columns: "
+            f"'body', 'id'): drop the rows whose 'body' is null (pandas: df.dropna(subset=['body']))") in line
+    assert not out.exists() and {k: v for k, v in _snapshot(tmp_path).items() if "cache" not in k} == before

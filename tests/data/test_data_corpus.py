@@ -102,6 +102,21 @@ def test_parquet(tmp_path):
         load_corpus(tmp_path / "a.parquet", text_field="body")
 
 
+def test_blank_texts_are_left_out_alike_from_jsonl_and_parquet(tmp_path):
+    """An empty or blank text holds nothing to train on: left out of both formats, as a blank .txt is (a null
+    one is an error in both: test_bad_inputs_raise_one_clear_error, tests/data/test_data_cli_sources.py)."""
+    pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed: parquet sources are optional")
+    import pyarrow.parquet as pq
+
+    texts = ["first", "", "  \n", "last"]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet")
+    for f in (tmp_path / "a.parquet", _jsonl(tmp_path / "a.jsonl", texts)):
+        assert load_corpus(f, val_fraction=0.0).train == ["first", "last"], f
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(ConfigError, match=r"n\.parquet: column 'text' must hold strings \(it holds int64\)"):
+        load_corpus(tmp_path / "n.parquet")
+
+
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
     f = _write(tmp_path / "a.parquet", b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # makes the import fail
@@ -126,6 +141,9 @@ def test_hf_source_on_a_local_file(tmp_path):
     ("latin1.txt", "caf\xe9 au lait".encode("latin-1"), r"latin1\.txt is not UTF-8 text \(byte 3"),
     ("nofield.jsonl", '{"body": "x"}\n', r"nofield\.jsonl:1: no string field 'text' \(missing; its fields: "
                                          r"'body'\): name the text's field with train's --data\.text_field"),
+    ("null.jsonl", '{"text": "ok"}\n{"text": null, "id": 2}\n', r"null\.jsonl:2: no string field 'text' \(null; its "
+                                                             r"fields: 'text', 'id'\): drop the records whose 'text' "
+                                                             r"is null, or name the text's field with"),
     ("badjson.jsonl", '{"text": "ok"}\n{"text": \n', r"badjson\.jsonl:2: not valid JSON"),
     ("table.csv", "a,b\n", r"table\.csv: unsupported suffix '\.csv'; use one of \.txt, \.jsonl, \.parquet"),
 ])

@@ -348,9 +348,11 @@ def _read_file(path: Path, text_field: str) -> Iterable[str]:
         docs = []
         for i, rec in jsonl_records(path):
             if not isinstance(rec.get(text_field), str):
-                got = "missing" if text_field not in rec else f"a {type(rec[text_field]).__name__}"
+                null = text_field in rec and rec[text_field] is None
+                got = "missing" if text_field not in rec else "null" if null else f"a {type(rec[text_field]).__name__}"
+                drop = f"drop the records whose {text_field!r} is null, or " if null else ""
                 raise ConfigError(f"{path}:{i}: no string field {text_field!r} ({got}; its fields: "
-                                  f"{', '.join(map(repr, rec)) or 'none'}): {TEXT_FIELD_OPTIONS}")
+                                  f"{', '.join(map(repr, rec)) or 'none'}): {drop}{TEXT_FIELD_OPTIONS}")
             docs.append(rec[text_field])
         return docs
     return _read_parquet(path, text_field)
@@ -362,7 +364,8 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
     except ImportError:
         raise ConfigError(f"reading {path} needs pyarrow: pip install pyarrow") from None
     try:
-        names = pq.ParquetFile(path).schema_arrow.names
+        schema = pq.ParquetFile(path).schema_arrow
+        names = schema.names
         column = pq.read_table(path, columns=[text_field]).column(0).to_pylist() if text_field in names \
             else []
     except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
@@ -371,5 +374,12 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
         raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(map(repr, names))}): "
                           f"{TEXT_FIELD_OPTIONS}")
     if column and not all(v is None or isinstance(v, str) for v in column):
-        raise ConfigError(f"{path}: column {text_field!r} must hold strings")
-    return [v for v in column if v is not None]
+        raise ConfigError(f"{path}: column {text_field!r} must hold strings (it holds "
+                          f"{schema.field(names.index(text_field)).type})")
+    nulls = [i for i, v in enumerate(column) if v is None]
+    if nulls:  # dropped without a word before 2026-12, where a .jsonl record's null text was one error
+        raise ConfigError(f"{path}: row {nulls[0]} (counted from 0): no string in column {text_field!r} (null, as in "
+                          f"{len(nulls):,} of its {len(column):,} rows; its columns: {', '.join(map(repr, names))}): "
+                          f"drop the rows whose {text_field!r} is null (pandas: df.dropna(subset=[{text_field!r}])), "
+                          f"or {TEXT_FIELD_OPTIONS}")
+    return column
