@@ -1,6 +1,6 @@
 """Data sources through the real command line, as a user meets them: a corpus whose validation split is
-too small to evaluate, folders with symbolic links (to a folder, back up the tree, to nothing), a parquet
-file with a null text."""
+too small to evaluate or far from its share, folders with symbolic links (to a folder, back up the tree, to
+nothing), a parquet file with a null text."""
 
 from __future__ import annotations
 
@@ -144,3 +144,24 @@ def test_a_parquet_null_text_is_one_error_naming_the_file_row_and_column(tmp_pat
     assert (f"{src}: row 7 (counted from 0): no string in column 'body' (null, as in 2 of its 42 rows; its columns: "
             f"'body', 'id'): drop the rows whose 'body' is null (pandas: df.dropna(subset=['body']))") in line
     assert not out.exists() and {k: v for k, v in _snapshot(tmp_path).items() if "cache" not in k} == before
+
+
+def test_a_split_far_from_five_percent_is_noted_in_the_run_log_and_again_from_the_cache(tmp_path, capsys,
+                                                                                          no_peak_measure):
+    """Three documents of ~3.7k characters, one of which hashes into validation: a third of the text is
+    validation against the ~5% a local source's split aims at, and nothing said so. Now a `note:` line, in
+    the first run and in a second one, whose data comes from the cache."""
+    body = "".join(f"line {j} of a long chapter about the river and the city gates\n" for j in range(60))
+    src = tmp_path / "data"
+    src.mkdir()
+    for k in (0, 1, 17):  # "Chapter 17\n" + body hashes into validation, 0 and 1 do not
+        (src / f"{k:02d}.txt").write_text(f"Chapter {k}\n{body}", encoding="utf-8")
+    for run in ("first", "second"):
+        capsys.readouterr()
+        assert cli.main(["train", *tiny_overrides(src, tmp_path / "cache", tmp_path / run), "--max_steps=1"]) == 0
+        captured = capsys.readouterr()
+        notes = [line for line in (captured.out + captured.err).splitlines() if "validation holds" in line]
+        assert len(notes) == 1 and notes[0].startswith("note: validation holds 33.3% of the text (1 of 3 documents"), \
+            captured
+        assert "give it more, smaller documents" in notes[0]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # one prepared folder: the second run read the cache

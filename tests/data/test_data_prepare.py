@@ -105,6 +105,52 @@ def test_full_kjv_bpe8192(kjv_dir, monkeypatch):
     _forbid(monkeypatch, "load_corpus")  # warm: no corpus parsing, no training, no tokenizing
     warm = prepare_data("kjv", "bpe", 8192, cache_dir=kjv_dir)
     assert warm.cached and warm.stats == s
+    assert data.split_note() is None and warm.split_note() is None  # its books are the split: no val_fraction
+
+
+# "Chapter k\n" + BODY hashes into validation at val_fraction=0.05 for k in 17, 19, 57, ...; not for 0, 1, 2
+BODY = "".join(f"line {j} of a long chapter about the river and the city gates\n" for j in range(60))
+
+
+def _chapters(folder, *docs):
+    folder.mkdir()
+    for i, doc in enumerate(docs):
+        (folder / f"{i:02d}.txt").write_text(doc, encoding="utf-8")
+    return folder
+
+
+def test_a_split_far_from_val_fraction_is_noted_warm_too(tmp_path, monkeypatch):
+    """Documents go whole to one side: three of ~3.7k characters put one third of the text into validation,
+    two large ones and a short last one (none hashed into validation: the tail takes whole documents first)
+    0.3%, against 5% aimed at. Nothing said so; the header's token counts were the only sign."""
+    big = prepare_data(_chapters(tmp_path / "big", *(f"Chapter {k}\n{BODY}" for k in (0, 1, 17))), "bytes",
+                       cache_dir=tmp_path / "c")
+    s = big.stats
+    assert (s.train_docs, s.val_docs, s.val_chars) == (2, 1, len(f"Chapter 17\n{BODY}"))  # what is noted
+    assert big.split_note() == (
+        f"validation holds 33.3% of the text (1 of 3 documents, {s.val_tokens:,} of "
+        f"{s.train_tokens + s.val_tokens:,} tokens), not ~5%: a document goes whole to train or validation, and "
+        f"this source has few large ones; for a share near 5%, give it more, smaller documents (split its files, "
+        f"or one .jsonl record per section)")
+    tail = prepare_data(_chapters(tmp_path / "tail", f"Chapter 0\n{BODY}", f"Chapter 1\n{BODY}", "A short end.\n"),
+                        "bytes", cache_dir=tmp_path / "c")
+    assert (tail.stats.val_docs, tail.stats.val_chars) == (1, len("A short end.\n"))
+    assert (tail.split_note() or "").startswith("validation holds 0.2% of the text (1 of 3 documents")
+
+    _forbid(monkeypatch, "load_corpus")  # from the cache (the character counts of its meta.json): noted alike
+    warm = prepare_data(tmp_path / "big", "bytes", cache_dir=tmp_path / "c")
+    assert warm.cached and warm.split_note() == big.split_note()
+
+
+def test_splits_near_val_fraction_are_not_noted(source, tmp_path):
+    """One .txt (its last ~5% cut off at a line break), 300 short records, the KJV's fixed books (kjv-bigval
+    holds 12.5%: by design, whatever val_fraction says)."""
+    one = tmp_path / "one.txt"
+    one.write_text(BODY * 20, encoding="utf-8")
+    for src in (one, source, "kjv-bigval"):
+        data = prepare_data(src, "bytes", cache_dir=tmp_path / "c")
+        assert data.stats.val_docs and data.split_note() is None, src
+    assert prepare_data(source, "bytes", cache_dir=tmp_path / "c", val_fraction=0.4).split_note() is None
 
 
 def test_a_cache_from_before_the_bigram_reference_gets_it_once(source, tmp_path, monkeypatch):

@@ -216,7 +216,9 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
     """Deterministic split: a document goes to val when the hash of its text falls below ``val_fraction``.
 
     Too few documents for that to leave both sides non-empty (one big ``.txt``, say): the last
-    ``val_fraction`` of the characters, cut at a line break, becomes validation instead.
+    ``val_fraction`` of the characters, cut at a line break, becomes validation instead. Documents go whole, so
+    a few large ones can land far from ``val_fraction``; kept (it would move published validation sets and cache
+    contents), and said in the run log (``PreparedData.split_note``).
     """
     if val_fraction == 0:
         return list(docs), []

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hybridnorm import plain_data
-from hybridnorm.data.corpus import Corpus, SourceDigest, load_corpus, source_digest
+from hybridnorm.data.corpus import KJV_SOURCES, Corpus, SourceDigest, load_corpus, source_digest
 from hybridnorm.data.tokenizer import (
     KINDS,
     ByteTokenizer,
@@ -65,6 +65,8 @@ class PreparedData:
     # what was read: the data files' sha256 (corpus.SourceDigest.sha256; for hf: the documents' hash), which
     # the trainer records; two same-sized files differ here
     data_sha256: str = ""
+    # the validation share the hash split aims at (load_corpus's val_fraction); None: a KJV source's fixed books
+    val_fraction: float | None = None
 
     @property
     def train_path(self) -> Path:
@@ -101,6 +103,30 @@ class PreparedData:
             return None
         return (f"data.vocab_size={vocab_size}: the BPE tokenizer trained on this corpus has {self.vocab_size} "
                 f"tokens (it ran out of pairs to merge); the model's vocabulary is {self.vocab_size}")
+
+    def notes(self, asked: Any) -> list[str]:
+        """The run log's ``note:`` lines about this data (``asked``: the train config's data section)."""
+        return [note for note in (self.short_vocab_note(asked), self.split_note()) if note]
+
+    def split_note(self) -> str | None:
+        """The run log's note when the validation split's share of the text is off ``val_fraction`` by more than
+        a factor of 2. Documents go whole to one side (corpus.split_documents), so a source of a few large ones
+        can put a third of its text into validation against 5% aimed at, or far less; which side each takes is
+        kept (a change would move published validation sets, cache contents and results), and said. A factor 2: half the
+        validation asked doubles the val loss's sampling variance, twice takes twice the text asked from
+        training; with hundreds of documents the hash split stays well inside it. The tail cut of a source
+        none of whose documents hashed into validation (one .txt) takes [1x, 2x) of the asked share: no note.
+        From the character counts every cache's meta.json holds: a warm call notes as the cold one did."""
+        f, stats = self.val_fraction, self.stats
+        total = stats.train_chars + stats.val_chars
+        if not f or not total or f / 2 <= stats.val_chars / total <= 2 * f * (1 + 1e-9):  # 1e-9: float rounding
+            return None
+        tokens = stats.train_tokens + stats.val_tokens
+        return (f"validation holds {stats.val_chars / total:.1%} of the text ({stats.val_docs} of "
+                f"{stats.train_docs + stats.val_docs} documents, {stats.val_tokens:,} of {tokens:,} tokens), not "
+                f"~{f * 100:g}%: a document goes whole to train or validation, and this source has few large ones; "
+                f"for a share near {f * 100:g}%, give it more, smaller documents (split its files, or one .jsonl "
+                f"record per section)")
 
     def check_val_windows(self, seq_len: int) -> None:
         """Evaluation scores windows of ``seq_len + 1`` validation tokens: a split without one is refused
@@ -149,10 +175,11 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
     else:
         key, data_sha256 = digest.key, digest.sha256
     folder = resolve_cache_dir(cache_dir) / f"{key[:16]}-{tok_key}"
+    split_fraction = None if source in KJV_SOURCES else val_fraction  # the KJV's split ignores it
     with file_lock(folder):
         ready = _load_ready(folder, source)
         if ready is not None:
-            ready.data_sha256 = data_sha256
+            ready.data_sha256, ready.val_fraction = data_sha256, split_fraction
             if ready.stats.bigram_entropy is None:  # a cache from before the bigram reference: added once
                 _add_bigram(ready)
             return ready
@@ -174,7 +201,7 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
         times["tokenize"] = time.perf_counter() - t
         prepared = PreparedData(source, folder, tok, DataStats(
             len(corpus.train), len(corpus.val), *corpus.chars, int(n_train), int(n_val), float("nan")), False,
-            data_sha256)
+            data_sha256, split_fraction)
         t = time.perf_counter()
         prepared.stats.unigram_entropy = unigram_entropy(prepared.train_tokens(), prepared.val_tokens(),
                                                          tok.vocab_size)

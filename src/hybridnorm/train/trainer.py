@@ -211,7 +211,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
     head = "; LM head + loss compiled" if cfg.compiles_head_loss(device.type) else ""
     log.message(f"precision: {precision} ({why}){float8}{head}; AdamW: {describe_optimizer(optimizer)}")
     log.message(split.describe(d.world_size) + (" (derived to keep the global batch)" if split.changed else ""))
-    for note in filter(None, (short_warmup_note(cfg.optim, cfg.max_steps), data.short_vocab_note(cfg.data))):
+    for note in filter(None, (short_warmup_note(cfg.optim, cfg.max_steps), *data.notes(cfg.data))):
         log.message(f"note: {note}")
     if split.changed:
         log.log(state.step, {"event": "batch_split_derived", "global_batch": split.global_batch,
