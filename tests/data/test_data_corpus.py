@@ -133,6 +133,11 @@ def test_hf_source_on_a_local_file(tmp_path):
     assert len(load_corpus(f"hf:{f}", max_docs=7, cache_dir=tmp_path / "cache").train) <= 7
     with pytest.raises(ConfigError, match=r"no column 'body' \(columns: 'text', 'id'\): name the text's field with"):
         load_corpus(f"hf:{f}", text_field="body", cache_dir=tmp_path / "cache")
+    # a null text was skipped without a word (as a .parquet file's were; a .jsonl record's is an error)
+    _write(tmp_path / "n.jsonl", '{"text": "a record"}\n{"text": null}\n')
+    with pytest.raises(ConfigError, match=r"hf:.*n\.jsonl': row 1 \(counted from 0\): no string in column 'text' "
+                                          r"\(null\): drop those rows"):
+        load_corpus(f"hf:{tmp_path / 'n.jsonl'}", cache_dir=tmp_path / "cache")
 
 
 @pytest.mark.parametrize("name, content, pattern", [

@@ -40,11 +40,16 @@ def hf_documents(spec: str, text_field: str, max_docs: int | None,
             raise ConfigError(f"data.source='hf:{spec}' has no column {text_field!r} (columns: "
                               f"{', '.join(map(repr, ds.column_names))}): {TEXT_FIELD_OPTIONS}")
         docs = []
-        for rec in ds:
+        for i, rec in enumerate(ds):
             if max_docs is not None and len(docs) >= max_docs:
                 break
-            if isinstance(rec.get(text_field), str):
-                docs.append(rec[text_field])
+            text = rec.get(text_field)
+            if not isinstance(text, str):  # skipped without a word before 2026-12, as a .parquet file's nulls were
+                got = "null" if text is None else f"a {type(text).__name__}"
+                raise ConfigError(f"data.source='hf:{spec}': row {i} (counted from 0): no string in column "
+                                  f"{text_field!r} ({got}): drop those rows (datasets: ds.filter(lambda r: "
+                                  f"isinstance(r[{text_field!r}], str))), or {TEXT_FIELD_OPTIONS}")
+            docs.append(text)
     except ConfigError:
         raise
     except Exception as e:  # network, missing dataset/config/split: one line, not a traceback
