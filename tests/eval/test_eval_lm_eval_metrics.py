@@ -2,7 +2,8 @@
 --tasks``: one ``error:`` line naming the task and the metric, before lm-eval builds a single request (its
 progress bar) or any is scored. Before 2026-12-02 lm-eval's ``KeyError: None`` was the whole message for a
 metric without an aggregation, and the other two ended in ``'NoneType' object is not callable`` after every
-request had been scored, the progress bars printed first."""
+request had been scored, the progress bars printed first. An unknown aggregation of a task named directly or
+through a tag is refused before its dataset is read (since 2026-12-02)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ TASKS = {
     "no_such_metric": (MC, BODY + "  - metric: acc\n  - metric: nosuchmetric\n"),  # lm-eval: KeyError: None
     "no_such_metric_agg": (MC, BODY + "  - metric: nosuchmetric\n    aggregation: mean\n"),
     "no_such_agg": (MC, BODY + "  - metric: acc\n    aggregation: nosuchagg\n"),
+    # its data file is removed below: an error about the aggregation, not the data, shows it came first
+    "agg_before_data": (MC, "tag: agg_tag\n" + BODY + "  - metric: acc\n    aggregation: nosuchagg\n"),
+    "function_agg": (MC, BODY + "  - metric: acc\n    aggregation: !function aggs.halved_mean\n"),
 }
 
 
@@ -31,6 +35,9 @@ def tasks(tmp_path_factory):
     folder = task_folder(tmp_path_factory.mktemp("metrics"), TASKS)
     (folder / "mixed_group.yaml").write_text("group: mixed_group\ntask:\n  - good_mc\n  - no_such_metric\n",
                                              encoding="utf-8")
+    (folder.parent / "agg_before_data.jsonl").unlink()
+    (folder / "aggs.py").write_text("def halved_mean(items):\n    return sum(items) / len(items) / 2\n",
+                                    encoding="utf-8")
     return folder
 
 
@@ -41,6 +48,9 @@ def tasks(tmp_path_factory):
                             "acc_norm"]),
     ("no_such_agg", ["lm-eval task 'no_such_agg': aggregation 'nosuchagg' of metric 'acc'", "mean, median"]),
     ("good_mc,mixed_group", ["lm-eval task 'no_such_metric': metric 'nosuchmetric'"]),  # inside a group
+    # before its dataset is read (before 2026-12-02 after it: here a missing data file was the error)
+    ("agg_before_data", ["lm-eval task 'agg_before_data': aggregation 'nosuchagg' of metric 'acc'", "mean, median"]),
+    ("good_mc,agg_tag", ["lm-eval task 'agg_before_data': aggregation 'nosuchagg' of metric 'acc'"]),  # a tag's task
 ])
 def test_an_unknown_metric_is_one_error_line_before_any_request(run_dir, tasks, names, needles, capsys,
                                                                  monkeypatch):
@@ -67,3 +77,11 @@ def test_the_library_call_raises_the_same_error_and_a_good_task_still_scores(run
         run_lm_eval(run_dir, ["no_such_agg"], include_path=tasks, include_defaults=False)
     res = run_lm_eval(run_dir, ["good_mc"], include_path=tasks, include_defaults=False)
     assert res["n-samples"]["good_mc"]["effective"] == len(MC) and 0 <= res["results"]["good_mc"]["acc,none"] <= 1
+
+
+def test_a_function_aggregation_is_not_taken_for_an_unknown_name(run_dir, tasks):
+    """lm-eval's index holds a ``!function`` unresolved (a path): the early check leaves it to lm-eval."""
+    res = run_lm_eval(run_dir, ["function_agg"], include_path=tasks, include_defaults=False)
+    samples = run_lm_eval(run_dir, ["good_mc"], include_path=tasks, include_defaults=False, log_samples=True)
+    accs = [s["acc"] for s in samples["samples"]["good_mc"]]
+    assert res["results"]["function_agg"]["acc,none"] == pytest.approx(sum(accs) / len(accs) / 2)

@@ -82,7 +82,9 @@ def build_tasks(tm: Any, names: Sequence[str]) -> list[Any]:
     read) and their metrics checked, for ``simple_evaluate(tasks=...)``, which takes them built: a metric or
     aggregation lm-eval does not know is one ConfigError naming the task and the metric now, where lm-eval
     fails with ``KeyError: None`` while building the task or with ``'NoneType' object is not callable``
-    after every request has been scored (its progress bars printed first)."""
+    after every request has been scored (its progress bars printed first). An aggregation is checked before
+    any dataset is read where lm-eval's task index holds the task's config (:func:`check_aggregations`)."""
+    check_aggregations(tm, names)
     built: list[Any] = []
     for name in names:
         try:
@@ -97,6 +99,31 @@ def build_tasks(tm: Any, names: Sequence[str]) -> list[Any]:
         # the object lm-eval built for the name: a group (with its subtasks in it), a task, or a tag's tasks
         built += [loaded["groups"][name]] if name in loaded["groups"] else tasks
     return built
+
+
+def check_aggregations(tm: Any, names: Sequence[str]) -> None:
+    """The ``aggregation`` names in the metric_list of each task that ``names`` names directly or as a tag, read
+    from ``tm.task_index`` (lm-eval's index of its YAML files: includes merged, ``!function`` tags not
+    resolved, so no task code runs), before ``TaskManager.load`` reads a dataset (a hub download can take
+    minutes). lm-eval builds such a task from the same file with no overrides. A group's tasks are left to
+    :func:`check_metrics` after the load: a group's YAML may override its tasks' fields, merged only by
+    lm-eval's building of the group, which this does not re-implement; a task given as a YAML path likewise."""
+    import lm_eval.api.metrics  # noqa: F401  (registers lm-eval's aggregations, as its own lookup does first)
+    from lm_eval.api import registry
+
+    index = getattr(tm, "task_index", {})
+    for name in names:
+        entry = index.get(name)
+        kind = entry.kind.name if entry is not None else None
+        for member in sorted(entry.tags) if kind == "TAG" else [name] if kind == "TASK" else []:
+            task = index.get(member)
+            if task is None or task.kind.name != "TASK":
+                continue  # a Python task class ("class:"): its own code decides its metrics
+            for item in (task.cfg or {}).get("metric_list") or []:
+                agg = item.get("aggregation") if isinstance(item, dict) else None
+                # a !function aggregation is unresolved here: the absolute path of the function lm-eval imports
+                if isinstance(agg, str) and not Path(agg).is_absolute() and agg not in registry.aggregation_registry:
+                    raise ConfigError(_unknown_aggregation(task.cfg.get("task", member), item.get("metric"), agg))
 
 
 def check_metrics(task: Any) -> None:
@@ -114,9 +141,14 @@ def check_metrics(task: Any) -> None:
                               f"knows (nor one the HF evaluate library loads here); lm-eval's metrics: "
                               f"{', '.join(sorted(registry.metric_registry.keys()))}")
         if isinstance(agg, str) and aggregations.get(metric) is None:
-            known = ", ".join(sorted(registry.aggregation_registry.keys()))
-            raise ConfigError(f"lm-eval task {cfg.task!r}: aggregation {agg!r} of metric {metric!r} is not one "
-                              f"lm-eval knows; its aggregations: {known}")
+            raise ConfigError(_unknown_aggregation(cfg.task, metric, agg))
+
+
+def _unknown_aggregation(task: str, metric: object, agg: str) -> str:
+    from lm_eval.api import registry
+
+    return (f"lm-eval task {task!r}: aggregation {agg!r} of metric {metric!r} is not one lm-eval knows; its "
+            f"aggregations: {', '.join(sorted(registry.aggregation_registry.keys()))}")
 
 
 def _unknown_metric(e: KeyError, name: str) -> str:
