@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from eval_helpers import task_folder
@@ -174,15 +178,46 @@ def test_a_task_whose_metric_does_not_apply_is_named_under_the_table(run_dir, tm
     assert "roll_acc: lm-eval computed no metric (does its metric_list apply to its output_type?)" in out, out
 
 
-def test_a_task_whose_data_file_is_not_json_is_one_error_line(run_dir, tmp_path, capsys):
-    """datasets' DatasetGenerationError was a traceback (exit 1) before 2026-12-02; its cause says what."""
+def test_a_task_whose_data_file_is_not_json_is_one_error_line(run_dir, tmp_path):
+    """datasets' DatasetGenerationError was a traceback (exit 1) before 2026-12-02, then one error line after
+    datasets' own "Failed to load JSON" log line; now the error line alone, its cause and the file in it. A
+    real process: datasets' log handler writes to the stderr it found when datasets was imported."""
+    import hybridnorm
+
     folder = task_folder(tmp_path, {"bad_json": (ROLL, TASKS["flag_roll"][1])})
-    (tmp_path / "bad_json.jsonl").write_text('{"text": "the lord said"}\n{"text": unquoted}\n', encoding="utf-8")
-    capsys.readouterr()
-    assert cli.main(["eval", str(run_dir), "--tasks", "bad_json", "--include-path", str(folder)]) == 2
-    raw = capsys.readouterr().err  # (datasets also logs the failure: a "Logging error" traceback in a test,
-    # whose handler kept an earlier test's closed stream; in a terminal, its one "Failed to load JSON" line)
-    err = [ln for ln in raw.splitlines() if ln.startswith("error")]
-    assert len(err) == 1 and raw.strip().splitlines()[-1] == err[0], raw[-2000:]
-    assert err[0].startswith("error: lm-eval could not run bad_json: DatasetGenerationError: "), err
-    assert "JSON parse error" in err[0], err
+    data = tmp_path / "bad_json.jsonl"
+    data.write_text('{"text": "the lord said"}\n{"text": unquoted}\n', encoding="utf-8")
+    src = str(Path(hybridnorm.__file__).parents[1])  # this checkout's package, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "hybridnorm.cli", "eval", str(run_dir), "--tasks", "bad_json",
+                           "--include-path", str(folder)], capture_output=True, text=True, timeout=300, env=env)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]  # datasets' progress bars: \r-separated
+    assert proc.returncode == 2 and lines, proc.stderr
+    assert lines[-1].startswith("error: lm-eval could not run bad_json: DatasetGenerationError: "), lines[-1]
+    assert "JSON parse error" in lines[-1] and f"'{data}'" in lines[-1], lines[-1]
+    assert not [ln for ln in lines[:-1] if "error" in ln.lower() or "Traceback" in ln], proc.stderr[-2000:]
+
+
+def test_datasets_log_is_held_back_only_while_a_load_runs(monkeypatch):
+    """A load that succeeds passes datasets' records on to its handlers, after it (its warnings say something);
+    one that fails puts its error records into the exception's notes and passes the rest on."""
+    import logging
+
+    import datasets.utils.logging  # noqa: F401  (its handler in place first, as in a run)
+
+    from hybridnorm.eval.dataset_log import datasets_log_held
+
+    seen: list[str] = []
+    keep = logging.Handler()
+    keep.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(logging.getLogger("datasets"), "handlers", [keep])  # the test's own handler alone
+    with datasets_log_held():
+        logging.getLogger("datasets.builder").warning("a warning")
+        assert seen == []
+    assert seen == ["a warning"] and logging.getLogger("datasets").handlers == [keep]
+    with pytest.raises(ValueError, match=r"^bad") as info, datasets_log_held():
+        logging.getLogger("datasets.packaged_modules.json.json").error("Failed to load JSON from file 'f'")
+        logging.getLogger("datasets.builder").warning("another")
+        raise ValueError("bad")
+    assert seen == ["a warning", "another"], seen
+    assert info.value.__notes__ == ["datasets: Failed to load JSON from file 'f'"]

@@ -349,7 +349,8 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
     # a task's YAML, template, dataset or !function module: bad input, one line
     except (OSError, ValueError, KeyError, ImportError, TypeError, SyntaxError, TemplateError, DatasetsError) as e:
         cause = e.__cause__ if isinstance(e, DatasetsError) else None  # "An error occurred ...": its cause says what
-        msg = " ".join(f"{e}{f' ({type(cause).__name__}: {cause})' if cause else ''}".split())
+        notes = "".join(f"; {n}" for n in getattr(e, "__notes__", []))  # datasets' log of a failed load names the file
+        msg = " ".join(f"{e}{f' ({type(cause).__name__}: {cause})' if cause else ''}{notes}".split())
         if lm.world_size > 1 and "did not find any docs" in msg:  # this rank's share of a task is empty
             msg += (f" (rank {lm.rank} of {lm.world_size}: lm-eval splits each task's documents across the "
                     f"{lm.world_size} processes, one in {lm.world_size} each, so every task needs at least "

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hybridnorm.errors import ConfigError
+from hybridnorm.eval.dataset_log import datasets_log_held
 from hybridnorm.train.tensor_check import CAST_DTYPES as DTYPES  # HFLM's names too
 
 MAX_GEN_TOKS_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")  # lm-eval's order
@@ -88,7 +89,8 @@ def build_tasks(tm: Any, names: Sequence[str]) -> list[Any]:
     built: list[Any] = []
     for name in names:
         try:
-            loaded = tm.load([name])
+            with datasets_log_held():  # a failed load: its log lines go into the one error line
+                loaded = tm.load([name])
         except KeyError as e:
             if e.args != (None,):  # lm-eval's lookup of a metric's default aggregation found none
                 raise
