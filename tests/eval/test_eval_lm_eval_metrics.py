@@ -85,3 +85,22 @@ def test_a_function_aggregation_is_not_taken_for_an_unknown_name(run_dir, tasks)
     samples = run_lm_eval(run_dir, ["good_mc"], include_path=tasks, include_defaults=False, log_samples=True)
     accs = [s["acc"] for s in samples["samples"]["good_mc"]]
     assert res["results"]["function_agg"]["acc,none"] == pytest.approx(sum(accs) / len(accs) / 2)
+
+
+def test_simple_evaluate_on_tasks_built_by_build_tasks_gets_the_metric_check(run_dir, tasks):
+    """docs/evaluation.md's route for a direct ``simple_evaluate(model="hybridnorm")``: its own task loading
+    leaves an unknown aggregation to fail after the requests are scored; tasks built by ``build_tasks`` do not."""
+    from lm_eval.tasks import TaskManager
+
+    from hybridnorm.errors import ConfigError
+    from hybridnorm.eval.lm_eval_checks import build_tasks
+
+    tm = TaskManager(include_path=str(tasks), include_defaults=False)
+    args = f"pretrained={run_dir},device=cpu"
+    with pytest.raises(ConfigError, match=r"^lm-eval task 'no_such_agg': aggregation 'nosuchagg'"):
+        lm_eval.simple_evaluate(model="hybridnorm", model_args=args, tasks=build_tasks(tm, ["no_such_agg"]),
+                                task_manager=tm)
+    res = lm_eval.simple_evaluate(model="hybridnorm", model_args=args, tasks=build_tasks(tm, ["good_mc"]),
+                                  task_manager=tm)
+    assert res["results"]["good_mc"]["acc,none"] == \
+        run_lm_eval(run_dir, ["good_mc"], include_path=tasks, include_defaults=False)["results"]["good_mc"]["acc,none"]

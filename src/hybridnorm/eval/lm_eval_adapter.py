@@ -5,7 +5,9 @@
     >>> results["results"]["kjv_mc"]["acc_norm,none"]
 
 Importing this module registers the model class as ``hybridnorm`` in lm-eval's registry, so
-``lm_eval.simple_evaluate(model="hybridnorm", model_args="pretrained=RUN,batch_size=8", ...)`` works too.
+``lm_eval.simple_evaluate(model="hybridnorm", model_args="pretrained=RUN,batch_size=8", ...)`` works too, without
+:func:`run_lm_eval`'s checks of the tasks' metrics (lm-eval shows a model only the requests): pass it tasks built
+by :func:`~hybridnorm.eval.lm_eval_checks.build_tasks` for those.
 
 Chat formatting (lm-eval's ``apply_chat_template``, ``fewshot_as_multiturn``, ``system_instruction``) renders
 the run's chat templates (an imported instruct folder's) with transformers' own ``apply_chat_template``, as
