@@ -168,6 +168,17 @@ def test_an_unknown_task_names_the_task_files_that_do_not_parse(run_dir, tmp_pat
     assert "tagged.yaml" not in err[0] and "good_roll" not in err[0]  # lm-eval's tags are YAML
 
 
+def test_an_unknown_task_names_the_close_ones(tasks):
+    """A typo was only "unknown" before 2026-12-02 (lm-eval suggests nothing): the names nearest it now."""
+    from hybridnorm.eval.lm_eval_adapter import task_manager
+
+    with pytest.raises(ConfigError, match=r"^unknown lm-eval task\(s\) 'flag_mcq' \(did you mean 'flag_mc'[,?]"):
+        task_manager(["flag_mcq"], tasks, include_defaults=False)
+    with pytest.raises(ConfigError, match=r"'flag_gen_sampld', 'qqqq' \(did you mean 'flag_gen_sampld': "
+                                          r"'flag_gen_sampled', 'flag_gen'\?\); looked in"):
+        task_manager(["flag_roll", "flag_gen_sampld", "qqqq"], tasks, include_defaults=False)
+
+
 def test_a_task_whose_metric_does_not_apply_is_named_under_the_table(run_dir, tmp_path, capsys):
     """lm-eval computes no ``acc`` for a rolling task and says nothing: an empty table and exit 0 before."""
     folder = task_folder(tmp_path, {"roll_acc": (ROLL, "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"

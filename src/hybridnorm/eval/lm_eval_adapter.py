@@ -43,6 +43,7 @@ from hybridnorm.eval.lm_eval_checks import (
     build_tasks,
     check_dtype,
     check_gen_kwargs,
+    close_names,
     positive_int,
     unreadable_yaml,
 )
@@ -270,8 +271,8 @@ def task_manager(tasks: Sequence[str], include_path: str | Path | Sequence[str |
     unknown = [t for t in tasks if not _task_known(tm, t)]
     if unknown:
         where = ", ".join(paths) + (" and lm-eval's built-in tasks" if include_defaults else "")
-        raise ConfigError(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}; looked in {where}"
-                          + unreadable_yaml(extra))
+        raise ConfigError(f"unknown lm-eval task(s) {', '.join(map(repr, unknown))}{close_names(tm, unknown)}; "
+                          f"looked in {where}" + unreadable_yaml(extra))
     return tm
 
 

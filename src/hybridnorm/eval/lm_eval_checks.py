@@ -78,6 +78,17 @@ def unreadable_yaml(folders: Sequence[str | Path]) -> str:
         f" and {len(bad) - 3} more" if len(bad) > 3 else "")
 
 
+def close_names(tm: Any, unknown: Sequence[str]) -> str:
+    """`` (did you mean ...?)`` with the names ``tm`` knows (tasks, groups, tags) closest to each unknown one
+    (difflib's), else ``""``; lm-eval itself suggests none."""
+    import difflib
+
+    near = {t: difflib.get_close_matches(t, tm.all_tasks, n=3) for t in unknown}
+    said = [f"{t!r}: {', '.join(map(repr, m))}" if len(unknown) > 1 else ", ".join(map(repr, m))
+            for t, m in near.items() if m]
+    return f" (did you mean {'; '.join(said)}?)" if said else ""
+
+
 def build_tasks(tm: Any, names: Sequence[str]) -> list[Any]:
     """``names`` built by ``tm`` (lm-eval's ``TaskManager.load``: the tasks, groups and tags, their datasets
     read) and their metrics checked, for ``simple_evaluate(tasks=...)``, which takes them built: a metric or
