@@ -44,6 +44,7 @@ from hybridnorm.eval.lm_eval_checks import (
     check_dtype,
     check_gen_kwargs,
     close_names,
+    fewshot_shortfall,
     positive_int,
     unreadable_yaml,
 )
@@ -344,6 +345,8 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
                                   device=str(lm.device))  # recorded in "config" only
     except ConfigError:
         raise
+    except AssertionError as e:  # lm-eval's first_n sampler asserts that there are enough few-shot documents
+        raise (ConfigError(short) if (short := fewshot_shortfall(e)) else e) from e
     except RuntimeError as e:  # another rank failed and left (its own line says why): this one's collective ends
         lost = collective_error(e, current_dist(), RANK_WAIT_S)
         if lost is None:
@@ -351,6 +354,8 @@ def run_lm_eval(run_or_path: str | Path | Run | HybridNormLM, tasks: str | Seque
         raise lost from e
     # a task's YAML, template, dataset or !function module: bad input, one line
     except (OSError, ValueError, KeyError, ImportError, TypeError, SyntaxError, TemplateError, DatasetsError) as e:
+        if short := fewshot_shortfall(e):
+            raise ConfigError(short) from e
         cause = e.__cause__ if isinstance(e, DatasetsError) else None  # "An error occurred ...": its cause says what
         notes = "".join(f"; {n}" for n in getattr(e, "__notes__", []))  # datasets' log of a failed load names the file
         msg = " ".join(f"{e}{f' ({type(cause).__name__}: {cause})' if cause else ''}{notes}".split())

@@ -164,6 +164,28 @@ def _unknown_aggregation(task: str, metric: object, agg: str) -> str:
             f"aggregations: {', '.join(sorted(registry.aggregation_registry.keys()))}")
 
 
+def fewshot_shortfall(e: BaseException) -> str | None:
+    """What lm-eval's sampler means when it cannot draw a task's few-shot examples (``ValueError: Sample larger
+    than population``, or the ``first_n`` sampler's AssertionError): the task, the number asked for and the
+    documents there are, read from the frame of lm-eval's ``fewshot_context`` that drew them; None for an
+    error raised elsewhere."""
+    task, n, tb = None, None, e.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        if tb.tb_frame.f_code.co_name == "fewshot_context" and hasattr(local.get("self"), "config"):
+            task, n = local["self"], local.get("num_fewshot")
+        tb = tb.tb_next
+    docs = getattr(getattr(task, "sampler", None), "df", None)
+    if task is None or not isinstance(n, int) or docs is None:
+        return None
+    split, same = task.fewshot_cfg.split, task.fewshot_cfg.split == task.config.test_split
+    most = len(docs) - (1 if same else 0)  # the document asked about is not its own example
+    return (f"lm-eval task {task.config.task!r}: {n} few-shot examples asked for (--num-fewshot, or the task's "
+            f"num_fewshot), but its few-shot documents (split {split!r}) are {len(docs)}"
+            + (", less the one asked about (the split evaluated)" if same else "")
+            + f": at most {most} ({type(e).__name__} in lm-eval: {' '.join(str(e).split())})")
+
+
 def _unknown_metric(e: KeyError, name: str) -> str:
     """What lm-eval's ``KeyError: None`` means: a metric in a task's metric_list that has no default
     aggregation, i.e. one not in lm-eval's registry that names no ``aggregation``. The task and the metric
