@@ -189,6 +189,19 @@ def test_a_task_whose_metric_does_not_apply_is_named_under_the_table(run_dir, tm
     assert "roll_acc: lm-eval computed no metric (does its metric_list apply to its output_type?)" in out, out
 
 
+def test_a_group_without_an_aggregate_is_not_called_metricless(run_dir, tmp_path, capsys):
+    """A group with no aggregate_metric_list has no score of its own in lm-eval's results: before 2026-12-02 the
+    note under the table said lm-eval computed no metric for it and asked about its metric_list."""
+    folder = task_folder(tmp_path, {"flag_mc": TASKS["flag_mc"]})
+    (folder / "grp.yaml").write_text("group: flag_group\ntask:\n  - flag_mc\n", encoding="utf-8")
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir), "--tasks", "flag_group", "--include-path", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "flag_mc" in out and "acc" in out, out
+    assert "flag_group: a group without aggregate_metric_list (lm-eval scores its tasks, not it)" in out, out
+    assert "computed no metric" not in out, out
+
+
 def test_a_task_whose_data_file_is_not_json_is_one_error_line(run_dir, tmp_path):
     """datasets' DatasetGenerationError was a traceback (exit 1) before 2026-12-02, then one error line after
     datasets' own "Failed to load JSON" log line; now the error line alone, its cause and the file in it. A

@@ -180,6 +180,9 @@ def _run_eval(req: EvalRequest, device: Any) -> dict[str, Any]:
         table += rows
         scored = {r[0] for r in rows}
         for task in (t for t in res.get("results", {}) if t not in scored and t not in res.get("groups", {})):
+            if task in res.get("group_subtasks", {}):  # a group that names no aggregate: lm-eval scores no group
+                notes.append(f"{task}: a group without aggregate_metric_list (lm-eval scores its tasks, not it)")
+                continue
             # lm-eval reports such a task without a word: an empty row where a number was expected
             notes.append(f"{task}: lm-eval computed no metric (does its metric_list apply to its output_type?)")
         if req.apply_chat_template or req.system_instruction is not None:
