@@ -209,3 +209,27 @@ def test_a_name_too_long_for_the_file_system_names_the_option_that_holds_it(run,
     name = "checkpoint" if where == "run" else where  # generate's positional argument
     line = assert_refused(argv, capsys, [f"{name}: File name too long: {long}"], tmp_path)
     assert line.count(str(long)) == 1, line
+
+
+@pytest.mark.parametrize(("case", "needles"), [
+    ("--model=1, then --placement", ["option --model.placement: model=1 is a value, not a section"]),
+    ("model: 5 in the file, then --model.d_model", ["config file", "model=5 must be a section with fields"]),
+    ("a sweep axis over the model section", ["model=1 is a value, not a section", "grid point pre-init=megatron-"
+                                                                                   "model=1-seed0"]),
+])
+def test_a_value_where_a_section_goes_is_refused_not_replaced_by_defaults(tmp_path: Path, capsys, corpus: Path,
+                                                                          cache_dir: Path, case: str,
+                                                                          needles: list[str]) -> None:
+    """A dotted override into a section given as a plain value replaced the value by the section's defaults
+    before 2026-12-03: ``--model=1 --placement pre --size tiny`` trained the default 6-layer d=256 model, and
+    ``sweep --axis model=1,2`` trained two identical ones and reported 'the largest model that trained'."""
+    (tmp_path / "m5.yaml").write_text("model: 5\n")
+    common = ["--max-steps", "1", "--data.tokenizer=bytes", f"--data.source={corpus}",
+              f"--data.cache_dir={cache_dir}", "--device=cpu", "--out", str(tmp_path / "out")]
+    argv = {"--model=1, then --placement": ["train", "--size", "tiny", "--model=1", "--placement", "pre", *common],
+            "model: 5 in the file, then --model.d_model": ["train", str(tmp_path / "m5.yaml"), "--model.d_model=64",
+                                                           *common],
+            "a sweep axis over the model section": ["sweep", "--placements", "pre", "--axis", "model=1,2",
+                                                    "--size", "tiny", *common]}[case]
+    assert_refused(argv, capsys, needles, tmp_path)
+    assert not (tmp_path / "out").exists()

@@ -319,8 +319,14 @@ class Config:
                 if i == len(parts) - 1:
                     node[part] = _parse_value(raw, tp)
                     break
-                if not isinstance(node.get(part), dict):  # a missing (or null) section: its defaults + this field
+                if node.get(part) is None:  # a missing (or null) section: its defaults + this field
                     node[part] = _default_of(section, part)
+                elif not isinstance(node[part], dict):  # a value given where the section goes (model: 5 in a
+                    # file, --model=1 or a grid's --axis model=1,2 before it) was once replaced by the section's
+                    # defaults here without a word: a default-sized model trained in place of the one asked for
+                    label = ".".join(parts[:i + 1])
+                    raise ConfigError(f"option --{key}: {label}={show(node[part])} is a value, not a section of "
+                                      f"fields, so {label}.{parts[i + 1]} cannot be set in it")
                 node = node[part]
                 section = next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
         return data

@@ -147,7 +147,10 @@ def point_config(base: TrainConfig, grid: Grid, point: GridPoint, run_dir: Path)
     overrides = [f"--{k}={v}" for k, v in point.knobs]
     overrides += [f"--model.placement={point.placement}", f"--seed={point.seed}", f"--out_dir={run_dir}",
                   f"--model.init={'default' if point.init == 'paper' else point.init}"]
-    cfg = base.with_overrides(overrides)
+    try:
+        cfg = base.with_overrides(overrides)
+    except ConfigError as e:  # a knob's value: which of the grid's points it is
+        raise ConfigError(f"{e} (grid point {point.name})") from None
     if grid.warmup_frac is not None:
         cfg.optim.warmup_steps = round(grid.warmup_frac * cfg.max_steps)
     return with_diagnostics(cfg, grid.diag_every).validate()
