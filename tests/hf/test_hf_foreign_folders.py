@@ -116,6 +116,10 @@ def _import_err(argv: list[str], capsys) -> str:
     (lambda c: c.update(architectures=["LlamaForSequenceClassification"]), "architectures"),
     (lambda c: c.update(hidden_size="wide"), "config.json"),
     (lambda c: c.update(num_hidden_layers=-3), "config.json"),
+    # each was a ZeroDivisionError from transformers naming no field (two of them blamed "the weights")
+    (lambda c: c.update(num_attention_heads=0), "num_attention_heads=0 must be >= 1"),
+    (lambda c: c.update(num_key_value_heads=0), "num_key_value_heads=0 must be >= 1"),
+    (lambda c: c.update(head_dim=0), "head_dim=0 must be >= 1"),
 ])
 def test_config_json_is_checked_before_transformers_reads_it(llama_dir, tmp_path: Path, capsys, edit,
                                                              needle) -> None:

@@ -48,6 +48,8 @@ ALLOW_PICKLE_FLAG = "--allow-pickle"
 # Dropped, not refused: they choose kernels (possibly hub-hosted code), never the numbers we copy out.
 IMPLEMENTATION_KEYS = ("attn_implementation", "experts_implementation", "_attn_implementation",
                        "_attn_implementation_internal", "_experts_implementation_internal")
+# head counts and sizes the config and attention classes divide by (null: derived, as transformers does)
+DIVISOR_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim")
 # JSON files of a folder that from_pretrained reads on its own (generation defaults)
 SIDE_JSON = ("generation_config.json",)
 # an ``architectures`` entry of a folder that holds a language model: a causal LM, or the bare decoder (whose
@@ -147,6 +149,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{file}: {where} is set; hybridnorm reads unquantized weights only")
     for key in IMPLEMENTATION_KEYS:
         cfg.pop(key, None)
+    for key in DIVISOR_FIELDS:  # 0 was a ZeroDivisionError inside transformers, naming no field
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"{file}: {key}={value} must be >= 1")
     for name in SIDE_JSON:  # transformers parses these itself: through our reader first, naming the file
         if (Path(path) / name).is_file():
             side_json(Path(path) / name)
