@@ -55,7 +55,8 @@ def test_compare_report(make_cfg, tmp_path):
 
     # re-running reuses the finished runs (nothing retrained: metrics files unchanged)
     before = (tmp_path / "cmp" / "runs" / "pre-init=megatron-seed0" / "metrics.jsonl").read_text()
-    run_compare(base, ["pre"], [0], tmp_path / "cmp")
+    run_compare(base, ["pre", "post", "hybridnorm"], [0, 1], tmp_path / "cmp")  # the same grid: a subset of it
+    # would replace this report with one that leaves runs out, and is refused (test_grid_refusals)
     assert (tmp_path / "cmp" / "runs" / "pre-init=megatron-seed0" / "metrics.jsonl").read_text() == before
 
 

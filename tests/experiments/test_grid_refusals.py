@@ -117,3 +117,35 @@ def test_a_point_of_zero_steps_is_refused_before_any_run_trains(tmp_path, corpus
     line = _one_error(capsys)
     assert "max_steps=0 (grid point pre-" in line and "trains no step" in line, line
     assert not list(out.glob("runs/*/metrics.jsonl"))
+
+
+@pytest.mark.parametrize("report_only", [False, True])
+def test_a_report_folder_of_another_grid_is_refused_and_kept(grid, tmp_path, corpus, cache_dir, capsys, report_only):
+    """Before 2026-12-03 ``compare --placements post`` into the folder of a ``pre`` grid (or a sweep's, with
+    its sweep_<knob> plots) trained post and replaced summary.md and runs.json with a report of post alone,
+    the pre run left out and the other grid's plots left beside it."""
+    import shutil
+
+    out = Path(shutil.copytree(grid, tmp_path / "cmp"))
+    before = _snapshot(out)
+    argv = _argv(out, corpus, cache_dir, *(["--report-only"] if report_only else []))
+    argv[argv.index("--placements") + 1] = "post"
+    assert cli.main(argv) == 2
+    line = _one_error(capsys)
+    assert f"--out) {out} holds" in line or f"--out {out} holds" in line, line
+    assert "holds runs that are no point of this grid (pre-init=megatron-seed0)" in line, line
+    assert "nothing was written" in line
+    assert _snapshot(out) == before and not (out / "runs" / "post-init=megatron-seed0").exists()
+
+
+def test_a_grown_grid_in_its_own_report_folder_is_still_reported(grid, tmp_path, corpus, cache_dir, capsys):
+    """More placements (or seeds, values) than the folder's runs: the same grid, grown; the report covers all."""
+    import json
+    import shutil
+
+    out = Path(shutil.copytree(grid, tmp_path / "cmp"))
+    argv = _argv(out, corpus, cache_dir, "--report-only")
+    argv[argv.index("--placements") + 1] = "pre,post"
+    assert cli.main(argv) == 0
+    assert "pre-init=megatron-seed0" in (out / "runs.json").read_text()
+    assert json.loads((out / "runs.json").read_text())

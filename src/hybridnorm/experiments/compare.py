@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.grid import Grid, check_report_only, join_ranks, run_grid
+from hybridnorm.experiments.grid_checks import check_only_this_grids_runs
 from hybridnorm.experiments.report import print_verdicts, write_report
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import agree, current_dist
@@ -46,6 +47,9 @@ def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: 
             check_output_folder(out, "report folder (--out)", may_hold=("report",))
         if not train and d.is_main:  # a grid's report folder, and the options that trained its runs
             check_report_only(base, grid, out)
+        if d.is_main:  # and no run of another grid, which this report would drop
+            check_only_this_grids_runs(out, {p.name for p in grid.points()},
+                                       "report folder (--out)" if train else "--report-only --out")
     except ConfigError as e:
         failed = e
     agree(failed, d, f"checking the report folder {out}")

@@ -10,7 +10,9 @@
   first run trains, not by a worker half-way through the grid;
 - ``--report-only`` on a folder that is not a grid's report folder, or with options that contradict the
   configs the runs were trained with (the report's command block would show a command that did not make
-  them).
+  them);
+- a report folder holding runs that are no point of this grid (another grid's): its report would be replaced
+  by one that leaves them out.
 
 Also which config fields only pause a run (:data:`PAUSE_FIELDS`): the grid lets a later command change
 them, so a grid paused with ``--stop_after_steps`` is finished by the same command without it.
@@ -18,7 +20,7 @@ them, so a grid paused with ``--stop_after_steps`` is finished by the same comma
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,24 @@ def check_report_folder(out: Path) -> None:
             kind, "holds no grid run (runs/<point>/point.json)")
         raise ConfigError(f"--report-only --out {out}: the folder {what}, not a compare/sweep report folder; "
                           "nothing was written (give the --out of the grid to report)")
+
+
+def check_only_this_grids_runs(out: Path, names: Collection[str], option: str) -> None:
+    """Every grid run in the report folder (``runs/<point>/point.json``) is a point of this grid: a report of
+    another grid's command once replaced the folder's report with one that left those runs out, beside the
+    other grid's ``sweep_<knob>`` plots (a report the new summary.md does not describe). More seeds, values or
+    placements than the folder's runs are fine: the same grid, grown."""
+    try:
+        found = sorted(d.name for d in (out / "runs").iterdir() if (d / "point.json").is_file())
+    except OSError:  # no runs/ yet (a new folder): nothing to leave out
+        return
+    others = [name for name in found if name not in names]
+    if others:
+        more = f", and {len(others) - 3} more" if len(others) > 3 else ""
+        raise ConfigError(f"{option} {out} holds runs that are no point of this grid ({', '.join(others[:3])}{more}): "
+                          "its report would leave them out and replace the report they are in; give another --out, "
+                          "the command that made them (its summary.md shows it; more seeds, values or placements "
+                          "may be added to it), or delete those run folders; nothing was written")
 
 
 def _shown(value: Any) -> str:
