@@ -170,3 +170,27 @@ def test_a_run_is_labelled_with_the_preset_it_was_built_from(size):
     assert figure2.size_of(cfg) == size  # the two 16-layer MoEs differ only in their expert count
     wider = TrainConfig(model=ModelConfig.from_preset(size, placement="pre", ffn_hidden_size=96), seq_len=64)
     assert figure2.size_of(wider) == "custom"
+
+
+@pytest.mark.parametrize("other", [["--seq-len", "8"], ["--batch-size", "3"]])
+def test_a_file_of_another_batch_shape_is_refused_not_silently_resumed(other, tmp_path, capsys):
+    """Before 2026-12-03 a resume with another --seq-len or --batch-size skipped every cell the file had,
+    exit 0, so the file kept the old shape while the command line said the new one."""
+    from hybridnorm.cli import main
+
+    out = tmp_path / "step1.json"
+    record = {"size": "tiny", "placement": "pre", "init": "default", "seed": 0, "block": [1.0, 1.0],
+              "batch_size": 2, "seq_len": 16}
+    out.write_text(json.dumps({"profiles": [record]}))
+    before = out.read_bytes()
+    argv = ["gradprofile", "--out", str(out), "--sizes", "tiny", "--placements", "pre", "--inits", "default",
+            "--seeds", "0", "--batch-size", "2", "--seq-len", "16"]
+    same = list(argv)
+    argv[argv.index(other[0]) + 1] = other[1]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out} holds profiles measured with --batch-size 2 --seq-len 16") and \
+        err.count("\n") == 1, err
+    assert out.read_bytes() == before
+    assert main(same) == 0  # the same shape: its one cell is there, nothing measured again
+    assert out.read_bytes() == before

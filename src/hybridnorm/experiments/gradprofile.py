@@ -8,7 +8,8 @@ the optimizer. The step-100 profile needs training: it is the documented ``hybri
 in docs/results/README.md, whose diagnostics record the same groups.
 
 Resumable: every finished profile is appended to the JSON at once and skipped when the command is run
-again, so a run cut off by a deadline keeps what it measured. Run one at a time: a 550M model with its
+again, so a run cut off by a deadline keeps what it measured (with the same --batch-size and --seq-len: a
+file holds one measurement). Run one at a time: a 550M model with its
 gradients takes ~5 GB in fp32.
 
     python -m hybridnorm.experiments.gradprofile --out docs/results/figure2/step1.json
@@ -69,6 +70,18 @@ def read_profiles(out: Path) -> dict[str, Any]:
     return found
 
 
+def check_same_measure(out: Path, profiles: Sequence[dict[str, Any]], batch_size: int, seq_len: int) -> None:
+    """The file's profiles were measured on batches of this shape: a resume with another --seq-len or
+    --batch-size once skipped every cell already there without a word (the file kept the old shape, and new
+    cells came out in the new one, drawn side by side in one figure)."""
+    for p in profiles:
+        had = (p.get("batch_size", batch_size), p.get("seq_len", seq_len))  # a record without them: not known
+        if had != (batch_size, seq_len):
+            raise ConfigError(f"--out {out} holds profiles measured with --batch-size {had[0]} --seq-len {had[1]} "
+                              f"(given: --batch-size {batch_size} --seq-len {seq_len}); one file holds one "
+                              "measurement: give its options to continue it, or another --out; nothing was measured")
+
+
 def profile(size: str, placement: str, init: str, seed: int, batch_size: int, seq_len: int,
             overrides: Sequence[str] = ()) -> dict[str, Any]:
     """One forward-backward of a freshly initialised model: per-block gradient norms and the loss.
@@ -106,6 +119,7 @@ def run(out: Path, sizes: Sequence[str], placements: Sequence[str], inits: Seque
     """Every profile not yet in ``out``, seed-major (seed 0 of every cell first), each saved when done."""
     check_output_file(out, "--out", example="gradprofile.json")  # a folder: refused now, not after hours
     found = read_profiles(out)
+    check_same_measure(out, found["profiles"], batch_size, seq_len)
     for size in sizes:  # every bad name is an error now, not hours into the grid
         for placement in placements:
             for init in inits:
