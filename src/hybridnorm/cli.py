@@ -280,7 +280,8 @@ def _main(words: list[str], command: str | None, argv: list[str] | None) -> int:
         return EXIT_BAD_INPUT
     if command == "gradprofile":  # a measurement with its own options (experiments.gradprofile)
         from hybridnorm.experiments import gradprofile
-        return gradprofile.main(words[words.index(command) + 1:])
+        at = words.index(command)  # --debug before the command is the parser's; after it, gradprofile's own
+        return gradprofile.main(words[at + 1:], debug="--debug" in words[:at])
     parser = build_parser(COMMANDS)
     overrides: list[str] = []
     if command in ("train", "compare", "sweep"):

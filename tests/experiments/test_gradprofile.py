@@ -194,3 +194,17 @@ def test_a_file_of_another_batch_shape_is_refused_not_silently_resumed(other, tm
     assert out.read_bytes() == before
     assert main(same) == 0  # the same shape: its one cell is there, nothing measured again
     assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback_before_or_after_the_command(where, tmp_path, capsys):
+    """As for every other command: before 2026-12-03 ``gradprofile --debug`` was an unknown argument and
+    ``hybridnorm --debug gradprofile`` still printed the one line."""
+    from hybridnorm.cli import main
+    from hybridnorm.errors import ConfigError
+
+    argv = ["gradprofile", "--out", str(tmp_path / "p.json"), "--sizes", "huge"]
+    with pytest.raises(ConfigError, match="size 'huge'"):
+        main(["--debug", *argv] if where == "before" else [*argv, "--debug"])
+    assert "error:" not in capsys.readouterr().err
+    assert main(argv) == 2 and capsys.readouterr().err.startswith("error: size 'huge'")

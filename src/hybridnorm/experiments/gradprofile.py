@@ -140,8 +140,9 @@ def run(out: Path, sizes: Sequence[str], placements: Sequence[str], inits: Seque
     return found["profiles"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, debug: bool = False) -> int:
     ap = OneLineArgumentParser(prog="hybridnorm gradprofile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")  # as after every other command
     ap.add_argument("--out", required=True, help="JSON file (resumed when it exists)")  # str: "" is refused
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--placements", default=",".join(PLACEMENTS))
@@ -158,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(Path(a.out), a.sizes.split(","), a.placements.split(","), a.inits.split(","), seeds, a.batch_size,
             a.seq_len)
     except (ConfigError, OSError) as e:
+        if debug or "--debug" in (sys.argv[1:] if argv is None else argv):
+            raise
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
