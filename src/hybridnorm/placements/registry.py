@@ -1,9 +1,9 @@
 """Named placements: the presets, and the paper's grammar ``[Pre-|Post-]<#>-<Pre|Post>``.
 
 Presets are entries in a dict; each line below reads as "which slots are on". Names are
-case-insensitive and ``-``/``_`` are interchangeable. A name that is not a preset is parsed by the
-grammar (``QKV-Post``, ``Pre-QK-Pre``, ``Post-Pre`` …), so every ablation of the paper's Table 6 —
-and any other subset of Q, K, V, C — is available without being listed by hand.
+case-insensitive and ``-``/``_`` are interchangeable (an empty part between them, ``Pre-``, is refused).
+A name that is not a preset is parsed by the grammar (``QKV-Post``, ``Pre-QK-Pre``, ``Post-Pre`` …), so
+every ablation of the paper's Table 6 — and any other subset of Q, K, V, C — is available without being listed by hand.
 """
 
 from __future__ import annotations
@@ -45,6 +45,19 @@ def _key(name: str) -> str:
     return "_".join(name.strip().lower().replace("-", " ").replace("_", " ").split())
 
 
+def _refusal(name: str, why: str = "") -> ConfigError:
+    return ConfigError(f"placement {name!r} {why}is not a preset ({', '.join(names())}) "
+                       f"nor a grammar name ({GRAMMAR})")
+
+
+def _check_parts(name: str) -> None:
+    """Refuse a name with an empty part between ``-``/``_`` (``Pre-``, ``Pre--Pre``, ``-pre``): ``_key`` and
+    the grammar would drop it and read another, valid name, so a typo would train a placement nobody asked
+    for. Blanks inside a part stay allowed: the spec's own names are written ``OLMo-2 reordered``."""
+    if any(not part.strip() for part in name.strip().replace("_", "-").split("-")):
+        raise _refusal(name, "has an empty part between '-'/'_': it ")
+
+
 def register(placement: Placement) -> Placement:
     """Add a preset (and its aliases) to the registry; the name must be new."""
     placement.validate()
@@ -68,9 +81,9 @@ def aliases() -> dict[str, str]:
 
 def parse(name: str) -> Placement:
     """Parse a grammar name such as ``Pre-QKV-Post`` into a placement."""
-    words = [w for w in name.strip().replace("_", "-").split("-") if w]
-    bad = ConfigError(f"placement {name!r} is not a preset ({', '.join(names())}) "
-                      f"nor a grammar name ({GRAMMAR})")
+    _check_parts(name)
+    words = name.strip().replace("_", "-").split("-")
+    bad = _refusal(name)
     if len(words) not in (2, 3) or words[-1].lower() not in ("pre", "post"):
         raise bad
     *head, last = (w.lower() for w in words)
@@ -97,6 +110,7 @@ def get(name: str | Placement) -> Placement:
         return name.validate()
     if not isinstance(name, str):
         raise ConfigError(f"placement must be a name or a Placement, got {type(name).__name__}")
+    _check_parts(name)
     key = _key(name)
     key = _ALIASES.get(key, key)
     if key in _PRESETS:
