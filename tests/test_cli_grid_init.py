@@ -1,7 +1,8 @@
 """Grid options as the commands read them. `hybridnorm compare`'s one init for all placements is the user's,
 wherever the user gave it: `--model.init` on the command line or `model.init` in the config file (before
 2026-12-02 the file's was dropped for megatron, silently), else megatron; `--init` overrides both. Checked on
-the runs' own records, through the command. `--values` without `--knob` is refused (it was dropped)."""
+the runs' own records, through the command. `--values` without `--knob` is refused (it was dropped), and a
+knob that is no config field is named as the user typed it (`--knob nope`)."""
 
 import json
 from pathlib import Path
@@ -37,4 +38,19 @@ def test_values_without_a_knob_is_refused_not_dropped(tmp_path: Path) -> None:
     r = cli_in_process("sweep", "--placements", "pre", "--values", "1,2", "--out", str(tmp_path / "s"), ok=False)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: --values needs --knob KEY (the field the values are for), or give --axis KEY=v1,v2"]
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(("option", "said", "valid"), [
+    (["--knob", "nope", "--values", "1,2"], "--knob nope: train config: unknown field 'nope'", "max_steps"),
+    (["--axis", "nope=1,2"], "--axis nope: train config: unknown field 'nope'", "max_steps"),
+    (["--knob", "optim.lrr", "--values", "1,2"], "--knob optim.lrr: optim: unknown field 'lrr'", "warmup_steps"),
+])
+def test_a_knob_that_is_no_field_is_named_as_typed_with_the_valid_ones(tmp_path: Path, option: list[str], said: str,
+                                                                       valid: str) -> None:
+    """It was named as the override the knob becomes (`option --nope`), an option the user never typed."""
+    r = cli_in_process("sweep", "--placements", "pre", *option, "--out", str(tmp_path / "s"), ok=False)
+    (line,) = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and line.startswith(f"error: {said}; valid fields: ") and valid in line, line
+    assert "or a short name: lr (optim.lr)" in line and "option --" not in line
     assert not (tmp_path / "s").exists()

@@ -98,7 +98,7 @@ def _grid_values(text: str, what: str) -> list[object]:
 def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
     """compare and sweep: one grid (placements × inits × axes × seeds), one report."""
     from hybridnorm.experiments.compare import command_line, run_experiment
-    from hybridnorm.experiments.grid import Grid
+    from hybridnorm.experiments.grid import Grid, check_knob
 
     if not args.out:
         raise ConfigError(f"{args.command} needs --out DIR for its report folder")
@@ -112,11 +112,13 @@ def _experiment(args: argparse.Namespace, extra: list[str]) -> int:
     if getattr(args, "knob", None):
         if not args.values:
             raise ConfigError("--knob needs --values v1,v2,...")
+        check_knob("--knob", args.knob)
         axes.append((args.knob, _grid_values(args.values, "--values")))
     for spec in args.axis or []:
         key, sep, values = spec.partition("=")
         if not sep or not key:
             raise ConfigError(f"--axis {spec!r} must look like KEY=v1,v2 (e.g. lr=1e-3,1e-2 or depth=12,24)")
+        check_knob("--axis", key)
         axes.append((key, _grid_values(values, f"--axis {key}")))
     base = _config(args, extra)
     # the user's init wherever it was given (--model.init, or the --config file's model.init); else megatron

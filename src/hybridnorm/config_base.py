@@ -298,6 +298,20 @@ class Config:
     # -- dotted overrides ------------------------------------------------------------------------
 
     @classmethod
+    def check_key(cls, key: str, where: str) -> None:
+        """Refuse a dotted key (``optim.lr``) that is no field of this config, naming the valid fields of the
+        section it goes wrong in; ``where`` names what the user typed (``option --optim.lrr``, ``--knob lrr``)."""
+        parts = key.replace("-", "_").split(".")
+        section: Any = cls
+        for i, part in enumerate(parts):
+            here = ".".join(parts[:i]) or "train config"
+            if section is None:
+                raise ConfigError(f"{where}: {here} has no sub-fields")
+            check_fields(f"{where}: {here}", {part: None}, section)
+            tp = _hints(section)[part]
+            section = next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+
+    @classmethod
     def apply_overrides(cls, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
         """``data`` with ``key.sub=value`` strings applied. Each key is checked against the fields (a typo
         names the valid ones); a value is read with YAML's safe loader, except for string fields, which
@@ -307,14 +321,11 @@ class Config:
             key, sep, raw = item.lstrip("-").partition("=")
             if not sep:
                 raise ConfigError(f"option {item!r} needs a value: write --{key}=VALUE")
+            cls.check_key(key, f"option --{key}")
             parts = key.replace("-", "_").split(".")
             section: Any = cls
             node = data
             for i, part in enumerate(parts):
-                here = ".".join(parts[:i]) or "train config"
-                if section is None:
-                    raise ConfigError(f"option --{key}: {here} has no sub-fields")
-                check_fields(f"option --{key}: {here}", {part: None}, section)
                 tp = _hints(section)[part]
                 if i == len(parts) - 1:
                     node[part] = _parse_value(raw, tp)

@@ -71,6 +71,16 @@ def knob_key(name: str) -> str:
     return KNOB_ALIASES.get(name, name)
 
 
+def check_knob(option: str, name: str) -> None:
+    """Refuse a knob that is no config field, naming it as typed (``--knob nope``, ``--axis nope``) with the
+    valid fields and the short names; the override it becomes was named instead (``option --nope``)."""
+    try:
+        TrainConfig.check_key(knob_key(name), f"{option} {name}")
+    except ConfigError as e:
+        short = ", ".join(f"{k} ({v})" for k, v in KNOB_ALIASES.items())
+        raise ConfigError(f"{e}; or a short name: {short}") from None
+
+
 @dataclass(frozen=True)
 class GridPoint:
     placement: str
@@ -105,6 +115,8 @@ class Grid:
                 raise ConfigError(f"--init {init!r} is not one of {', '.join(INIT_AXIS)}")
         if not self.placements or not self.seeds or not self.inits:
             raise ConfigError("a grid needs at least one placement, one init and one seed")
+        for key, _ in self.axes:
+            check_knob("--axis", key)
         keys = [knob_key(k) for k, _ in self.axes]
         for bad in ("model.placement", "model.init", "seed", "out_dir"):
             if bad in keys:
