@@ -136,7 +136,7 @@ BAD_INPUTS = {
                                 ["vocab mismatch", "300", "257"]),
     "corrupt checkpoint": (lambda w, r, t: ["eval", str(_corrupt_step4(r, t))],
                            ["model.safetensors", "corrupt"]),
-    "no run folder": (lambda w, r, t: ["generate", str(t / "nothing")], ["no run folder"]),
+    "no run folder": (lambda w, r, t: ["generate", str(t / "nothing")], ["nothing does not exist (expected a run"]),
     "negative temperature": (lambda w, r, t: ["generate", str(r), "--temperature=-1"], ["--temperature"]),
     "zero eval batches": (lambda w, r, t: ["eval", str(r), "--batches", "0"], ["--batches"]),
     # an empty value ("$VAR" unset) used to mean "not given" (the default placement, size, init or baseline

@@ -18,7 +18,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import lm_loss
 from hybridnorm.train.distributed import Dist
 from hybridnorm.train.rank_share import gather_rows, share
-from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
+from hybridnorm.train.run import Run, check_exists, check_run_fits, is_hf_folder, open_run
 
 __all__ = ["Run", "evaluate_run", "load_run"]
 
@@ -43,9 +43,7 @@ def inference_device(name: str | None) -> torch.device | None:
 def load_run(path: str | Path) -> Run:
     """``path`` is a run folder (its newest good checkpoint is used), a ``checkpoints/step_*`` folder, or a
     local Hugging Face model folder (stock Llama/Qwen3/OLMo-2/... or exported by hybridnorm)."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"no run folder or checkpoint at {path}")
+    path = check_exists(path)
     if is_hf_folder(path):
         try:
             from hybridnorm.hf.export import load_hf_run

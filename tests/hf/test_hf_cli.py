@@ -52,7 +52,7 @@ def test_export_pre_norm_run_as_llama_in_bf16(trained_run: Path, tmp_path: Path,
     (["export", "{run}", "--to", "onnx", "{tmp}/x"], ["--to 'onnx'", "'hf'"]),
     (["export", "{run}", "--to", "hf", "{tmp}/x", "--arch", "llama"], ["cannot export as llama", "overrides"]),
     (["export", "{run}", "--to", "hf", "{tmp}/x", "--dtype", "int8"], ["--dtype='int8'", "bfloat16"]),
-    (["export", "{tmp}/missing", "--to", "hf", "{tmp}/x"], ["no run folder or checkpoint"]),
+    (["export", "{tmp}/missing", "--to", "hf", "{tmp}/x"], ["missing does not exist (expected a run folder"]),
     (["import", "{tmp}", "--out", "{tmp}/r"], ["not a Hugging Face model folder"]),
 ])
 def test_bad_export_import_arguments_are_one_error_line(trained_run: Path, tmp_path: Path, capsys, argv,

@@ -32,7 +32,7 @@ from hybridnorm.train.checkpoint import TrainState, save_checkpoint
 from hybridnorm.train.config import DataConfig, TrainConfig
 from hybridnorm.train.optim import build_optimizer
 from hybridnorm.train.preflight import check_fits, check_output_folder, staged_folder
-from hybridnorm.train.run import Run, check_run_fits, is_hf_folder, open_run
+from hybridnorm.train.run import Run, check_exists, check_run_fits, is_hf_folder, open_run
 from hybridnorm.train.tensor_check import CAST_DTYPES as DTYPES
 
 ARCH_CHOICES: tuple[str, ...] = ("auto", MODEL_TYPE, *stock.BY_TYPE)
@@ -170,6 +170,7 @@ def warn_training_only_fields(path: str | Path, written: str) -> None:
 def export_run(path: str | Path, out_dir: str | Path, arch: str = "auto", dtype: str = "float32") -> ExportResult:
     """Export a run folder (its newest good checkpoint), one ``checkpoints/step_*`` folder or a local HF
     folder (to another architecture or dtype)."""
+    check_exists(path)  # said as such, not as an output folder problem or a folder without a run
     check_output_folder(out_dir, "export folder", inputs=[path])  # before minutes of loading, not after
     if is_hf_folder(path):
         run = load_hf_run(path)

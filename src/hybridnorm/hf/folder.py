@@ -38,7 +38,7 @@ from hybridnorm.hf import remote_code, stock
 from hybridnorm.hf.modeling import MODEL_TYPE, HybridNormConfig, HybridNormForCausalLM
 from hybridnorm.nn.sampling_defaults import GenerationDefaults
 from hybridnorm.train import tensor_check
-from hybridnorm.train.run import adapter_hint
+from hybridnorm.train.run import adapter_hint, check_exists
 
 CONFIG_MAX_BYTES = 16 << 20  # real configs are a few KB; a bigger file is not worth parsing
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -105,7 +105,7 @@ def _find_key(obj: Any, key: str) -> str | None:
 def model_folder(path: str | Path) -> Path:
     """``path`` if it is a Hugging Face model folder (it has a ``config.json``); a ConfigError saying what it
     is not (and what it is, for a PEFT adapter folder) otherwise."""
-    path = Path(path)
+    path = check_exists(path, "a local Hugging Face model folder, one with a config.json")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{path} is not a Hugging Face model folder (no config.json)" + adapter_hint(path))
     return path

@@ -101,6 +101,18 @@ def check_run_fits(path: str | Path, copies: int = 1) -> None:
     check_fits(cfg.model, "cpu", training=False, copies=copies, what=f"the model of {ckpt or run_dir}")
 
 
+MODEL_PATHS = "a run folder, a checkpoints/step_* folder or a local Hugging Face model folder"
+
+
+def check_exists(path: str | Path, expected: str = MODEL_PATHS) -> Path:
+    """``path``, or a ConfigError saying that it does not exist and what was expected there: said first, as
+    'no config.json' or 'no run folder or checkpoint at' read as if the path were there, holding the wrong thing."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist (expected {expected})")
+    return path
+
+
 ADAPTER_CONFIG_MAX_BYTES = 1 << 20  # an adapter_config.json is a few KB; a bigger one only loses the hint
 
 
@@ -139,9 +151,7 @@ def is_hf_folder(path: str | Path) -> bool:
 def open_run(path: str | Path) -> Run:
     """``path`` is a run folder (its newest good checkpoint is used) or a ``checkpoints/step_*`` folder, written
     by one process or sharded by several (FSDP): the model is loaded whole either way."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"no run folder or checkpoint at {path}")
+    path = check_exists(path)
     ckpt, run_dir = split_run_path(path)
     if ckpt is not None:
         return _open_checkpoint(ckpt, run_dir)
