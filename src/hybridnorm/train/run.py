@@ -29,7 +29,7 @@ from hybridnorm.train.checkpoint import (
     load_weights,
 )
 from hybridnorm.train.config import TrainConfig
-from hybridnorm.train.preflight import check_fits
+from hybridnorm.train.preflight import REPORT_POINT, check_fits, folder_kind
 
 
 @dataclass
@@ -142,6 +142,17 @@ def _checkpoints_folder_hint(path: Path) -> str:
             f"checkpoint) or one checkpoint, e.g. {path / steps[-1]}")
 
 
+def _refuse_report_folder(path: Path) -> None:
+    """A compare/sweep report folder holds runs, none of its own: which to pass, not 'no usable checkpoint'."""
+    if folder_kind(path) != "report":
+        return
+    runs = sorted(p.parent for p in path.glob("/".join(REPORT_POINT)))
+    trained = [r for r in runs if (r / "checkpoints").is_dir()] or runs  # the ones a model can be read from
+    more = f" ({len(trained)} in all: ls {path / 'runs'})" if len(trained) > 3 else ""
+    raise ConfigError(f"{path} is a compare/sweep report folder, not a run: pass one of its runs/<name> folders, "
+                      f"e.g. {', '.join(str(r) for r in trained[:3])}{more}")
+
+
 def is_hf_folder(path: str | Path) -> bool:
     """A Hugging Face model folder: a ``config.json`` and no run ``config.yaml``."""
     path = Path(path)
@@ -155,6 +166,7 @@ def open_run(path: str | Path) -> Run:
     ckpt, run_dir = split_run_path(path)
     if ckpt is not None:
         return _open_checkpoint(ckpt, run_dir)
+    _refuse_report_folder(path)
     for attempt in range(PRUNED_RETRIES + 1):
         bad: list[str] = []  # with none good, each one's problem (newest first) for the error instead of warnings
         ckpt = latest_checkpoint(path / "checkpoints", why_none=bad)
