@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -215,3 +216,45 @@ def test_cli_plan_bad_options(argv: list[str], needle: str, capsys: pytest.Captu
     assert cli.main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+
+
+def _plan_out(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
+    capsys.readouterr()
+    assert cli.main(["plan", *argv]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize(("opts", "n"), [
+    (dict(gpus=8, global_batch_tokens=1000), 1),  # one sequence per GPU already makes 1,024
+    (dict(gpus=1, gpu_mem=1.0, global_batch_tokens=100_000), 782),
+    (dict(gpus=2, gpu_mem=1.0, global_batch_tokens=128_000), 500),
+])
+def test_a_default_micro_batch_far_over_the_target_gets_a_note_of_what_reaches_it(capsys, opts: dict, n: int) -> None:
+    """The default stays the largest that fits (documented); the note says which micro-batch reaches
+    --global-batch-tokens in one step, checked by planning with it: it reaches the target, one less does not."""
+    opts = dict(size="tiny", seq_len=128, **opts)
+    argv = [x for k, v in opts.items() for x in (PlanOptions.label(k), str(v))]
+    (note,) = [line for line in _plan_out(capsys, *argv) if line.startswith("note:")]
+    assert f"for the target pass --micro-batch {n} (" in note and f"--batch_size={n} --grad_accum=1" in note
+    given = plan(PlanOptions(**opts, micro_batch=n))
+    target = opts["global_batch_tokens"]
+    assert given.grad_accum == 1 and given.global_tokens >= target
+    assert n == 1 or (n - 1) * given.options.seq_len * given.options.gpus < target
+    assert f"= {given.global_tokens:,} tokens per step" in note
+    assert ("; one sequence per GPU already makes" in note) == (n == 1 and given.global_tokens > target)
+    assert not any(line.startswith("note:") for line in _plan_out(capsys, *argv, "--micro-batch", str(n)))
+
+
+def test_no_note_when_the_default_reaches_the_target_by_accumulating(capsys) -> None:
+    assert not any(line.startswith("note:") for line in _plan_out(capsys, "--size", "1.2b"))
+
+
+@pytest.mark.parametrize("argv", [
+    ["--size", "tiny", "--seq-len", "128", "--gpus", "16", "--global-batch-tokens", "1000"], [],
+    ["--size", "1.2b", "--micro-batch", "1000000", "--gpu-mem", "100000000"]])
+def test_plan_prints_every_large_integer_with_thousands_separators(capsys, argv: list[str]) -> None:
+    """Micro-batches, seq, the max-mb columns alike (they were bare, beside separated token counts); the values
+    to type (--micro-batch N, --batch_size=N) stay bare."""
+    for line in _plan_out(capsys, *argv):
+        prose = re.sub(r"(--micro-batch |--batch_size=)\d+", "", line)
+        assert not re.search(r"(?<![\d.,])\d{4,}(?![\d.])", prose), line

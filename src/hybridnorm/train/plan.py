@@ -113,6 +113,11 @@ class Plan:
     def global_tokens(self) -> int:
         return self.micro_batch * self.options.seq_len * self.options.gpus * self.grad_accum
 
+    @property
+    def target_micro_batch(self) -> int:
+        """The smallest micro-batch whose one step (grad_accum 1) reaches ``--global-batch-tokens``."""
+        return max(1, math.ceil(self.options.global_batch_tokens / (self.options.seq_len * self.options.gpus)))
+
 
 def model_config(opts: PlanOptions) -> ModelConfig:
     preset = ModelConfig.preset(opts.size)
@@ -268,7 +273,7 @@ def _check_something_fits(opts: PlanOptions, fits: dict[str, tuple[int, int]], s
     """ConfigError naming the options when not one sequence fits anywhere, or when the given
     ``--micro-batch`` fits in no mode, not even with activation checkpointing."""
     best = max(f[1] for f in fits.values())  # checkpointing never needs more than running without it
-    where = ", ".join(f"{m.upper()} {f[0]} ({f[1]} with checkpointing)" for m, f in fits.items())
+    where = ", ".join(f"{m.upper()} {f[0]:,} ({f[1]:,} with checkpointing)" for m, f in fits.items())
     if best == 0:
         need = min(states.values()) + one_seq_ckpt
         raise ConfigError(f"nothing fits: not one sequence of --seq-len={opts.seq_len} fits in "
@@ -278,7 +283,7 @@ def _check_something_fits(opts: PlanOptions, fits: dict[str, tuple[int, int]], s
                           f"usable; raise --gpu-mem, add --gpus or lower --seq-len")
     if opts.micro_batch is not None and opts.micro_batch > best:
         raise ConfigError(f"--micro-batch={opts.micro_batch} does not fit in --gpu-mem={opts.gpu_mem:g} GiB per GPU "
-                          f"at --seq-len={opts.seq_len}: the largest micro-batch that fits is {best} (largest per "
+                          f"at --seq-len={opts.seq_len}: the largest micro-batch that fits is {best:,} (largest per "
                           f"mode: {where})")
 
 
@@ -293,23 +298,38 @@ def _table(rows: list[list[str]]) -> list[str]:
             for r in rows]
 
 
+def _target_note(pl: Plan) -> list[str]:
+    """When the default micro-batch (the largest that fits) overshoots ``--global-batch-tokens`` and a smaller
+    one would reach it in one step: which to pass. The default stays what fits; the note says how to hit the
+    target instead of leaving the user to divide by hand."""
+    o, n = pl.options, pl.target_micro_batch
+    if o.micro_batch is not None or n >= pl.micro_batch:
+        return []
+    tokens = n * o.seq_len * o.gpus
+    over = "" if n > 1 or tokens <= o.global_batch_tokens else (
+        f"; one sequence per GPU already makes {tokens:,}: lower --seq-len or --gpus to come closer")
+    return [f"note: the micro-batch above is the largest that fits; for the target pass --micro-batch {n} "
+            f"({n:,} x grad_accum 1 x {o.gpus:,} GPUs = {tokens:,} tokens per step; train: --batch_size={n} "
+            f"--grad_accum=1){over}"]
+
+
 def format_plan(pl: Plan) -> str:
     """The plan as a plain-text table, GiB per GPU."""
     o = pl.options
     fits = [f"{m.mode.upper()}{' with checkpointing' if ck else ''}" for ck in (False, True) for m in pl.modes
             if pl.micro_batch <= (m.max_micro_batch_ckpt if ck else m.max_micro_batch)]
-    lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {o.gpus} GPUs x {o.gpu_mem:g} GiB "
-             f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len}, {o.precision}, "
+    lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {o.gpus:,} GPUs x {o.gpu_mem:g} GiB "
+             f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len:,}, {o.precision}, "
              f"{'fused' if o.loss == 'fast' else o.loss} LM head + loss",
-             f"micro-batch {pl.micro_batch} x grad_accum {pl.grad_accum} x {o.gpus} GPUs = {pl.global_tokens:,} "
-             f"tokens per step (target {o.global_batch_tokens:,})",
-             f"micro-batch {pl.micro_batch} fits under: {', '.join(fits)}"]
+             f"micro-batch {pl.micro_batch:,} x grad_accum {pl.grad_accum:,} x {o.gpus:,} GPUs = {pl.global_tokens:,} "
+             f"tokens per step (target {o.global_batch_tokens:,})", *_target_note(pl),
+             f"micro-batch {pl.micro_batch:,} fits under: {', '.join(fits)}"]
     rows = [["GiB per GPU", "params", "grads", "AdamW", "buffers", "act", "act+ckpt", "total", "w/ ckpt",
              "max mb", "w/ ckpt"]]
     for m in pl.modes:
         rows.append([m.mode.upper(), *map(_gib, (m.params, m.grads, m.optim, m.buffers, m.act, m.act_ckpt,
                                                   m.states + m.act, m.states + m.act_ckpt)),
-                     str(m.max_micro_batch), str(m.max_micro_batch_ckpt)])
+                     f"{m.max_micro_batch:,}", f"{m.max_micro_batch_ckpt:,}"])
     lines += _table(rows)
     lines.append("buffers: DDP reduction buckets + autocast bf16 weight copies; FSDP gathered weights, one block's "
                  "unsharded gradient, and no_sync's unsharded gradients when grad_accum > 1. Lower bounds: "
