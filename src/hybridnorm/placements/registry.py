@@ -53,8 +53,9 @@ def _refusal(name: str, why: str = "") -> ConfigError:
 def _check_parts(name: str) -> None:
     """Refuse a name with an empty part between ``-``/``_`` (``Pre-``, ``Pre--Pre``, ``-pre``): ``_key`` and
     the grammar would drop it and read another, valid name, so a typo would train a placement nobody asked
-    for. Blanks inside a part stay allowed: the spec's own names are written ``OLMo-2 reordered``."""
-    if any(not part.strip() for part in name.strip().replace("_", "-").split("-")):
+    for. Blanks inside a part stay allowed: the spec's own names are written ``OLMo-2 reordered``. An empty
+    name is no preset and no grammar name, refused as such."""
+    if name.strip() and any(not part.strip() for part in name.strip().replace("_", "-").split("-")):
         raise _refusal(name, "has an empty part between '-'/'_': it ")
 
 
