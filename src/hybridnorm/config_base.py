@@ -219,6 +219,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _section_of(tp: Any) -> Any:
+    """The config dataclass a field's type hint holds (``X``, ``X | None``), or None for a plain value."""
+    return next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+
+
 class Config:
     """Base of every config section. Subclasses are ``@dataclass`` es; ``SECTION`` is their dotted name
     in the train config ("" at the top), so messages read like the overrides a user types."""
@@ -309,7 +314,7 @@ class Config:
                 raise ConfigError(f"{where}: {here} has no sub-fields")
             check_fields(f"{where}: {here}", {part: None}, section)
             tp = _hints(section)[part]
-            section = next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+            section = _section_of(tp)
 
     @classmethod
     def apply_overrides(cls, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -339,7 +344,7 @@ class Config:
                     raise ConfigError(f"option --{key}: {label}={show(node[part])} is a value, not a section of "
                                       f"fields, so {label}.{parts[i + 1]} cannot be set in it")
                 node = node[part]
-                section = next((a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)), None)
+                section = _section_of(tp)
         return data
 
 
