@@ -29,7 +29,7 @@ from hybridnorm.config_base import config_differences, flatten_config
 from hybridnorm.data.corpus import source_files
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.config import TrainConfig
-from hybridnorm.train.preflight import folder_kind
+from hybridnorm.train.preflight import REPORT_POINT, folder_kind
 
 # Fields that decide when a session stops (and checkpoints), not what it trains: a later session may drop them.
 PAUSE_FIELDS = ("stop_after_steps", "max_minutes")
@@ -105,10 +105,8 @@ def check_only_this_grids_runs(out: Path, names: Collection[str], option: str) -
     another grid's command once replaced the folder's report with one that left those runs out, beside the
     other grid's ``sweep_<knob>`` plots (a report the new summary.md does not describe). More seeds, values or
     placements than the folder's runs are fine: the same grid, grown."""
-    try:
-        found = sorted(d.name for d in (out / "runs").iterdir() if (d / "point.json").is_file())
-    except OSError:  # no runs/ yet (a new folder): nothing to leave out
-        return
+    # what makes a folder a report (preflight.folder_kind); none in a new folder: nothing to leave out
+    found = sorted(p.parent.name for p in out.glob("/".join(REPORT_POINT)) if p.is_file())
     others = [name for name in found if name not in names]
     if others:
         more = f", and {len(others) - 3} more" if len(others) > 3 else ""
