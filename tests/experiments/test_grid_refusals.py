@@ -149,3 +149,21 @@ def test_a_grown_grid_in_its_own_report_folder_is_still_reported(grid, tmp_path,
     assert cli.main(argv) == 0
     assert "pre-init=megatron-seed0" in (out / "runs.json").read_text()
     assert json.loads((out / "runs.json").read_text())
+
+
+def test_a_baseline_spelled_unlike_the_grids_name_is_that_placement(grid, tmp_path, corpus, cache_dir, capsys):
+    """``--baseline Pre-Pre`` for a grid of ``pre``: one placement (the grid refuses the two names side by side),
+    so the report compares against it under the grid's name; it was refused as 'not one of the placements'."""
+    import json
+    import shutil
+
+    out = Path(shutil.copytree(grid, tmp_path / "cmp"))
+    assert cli.main(_argv(out, corpus, cache_dir, "--report-only", "--baseline", "Pre-Pre")) == 0
+    assert json.loads((out / "runs.json").read_text())["baseline"] == "pre"
+    capsys.readouterr()
+    before = _snapshot(out)
+    for baseline, said in (("post", "is not one of the grid's placements: pre"), ("Pre-", "empty part")):
+        assert cli.main(_argv(out, corpus, cache_dir, "--report-only", "--baseline", baseline)) == 2
+        line = _one_error(capsys)
+        assert f"--baseline {baseline!r}" in line and said in line, line
+    assert _snapshot(out) == before

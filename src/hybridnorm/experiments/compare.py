@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hybridnorm.errors import ConfigError
 from hybridnorm.experiments.grid import Grid, check_report_only, join_ranks, run_grid
-from hybridnorm.experiments.grid_checks import check_only_this_grids_runs
+from hybridnorm.experiments.grid_checks import check_only_this_grids_runs, grid_baseline
 from hybridnorm.experiments.report import print_verdicts, write_report
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.distributed import agree, current_dist
@@ -33,9 +33,7 @@ def run_experiment(base: TrainConfig, grid: Grid, out_dir: str | Path, *, jobs: 
                    command: str | None = None, title: str = "Placement comparison", train: bool = True) -> Path:
     out = Path(out_dir)
     grid.validate()
-    baseline = baseline or grid.placements[0]
-    if baseline not in grid.placements:
-        raise ConfigError(f"--baseline {baseline!r} is not one of the grid's placements: {', '.join(grid.placements)}")
+    baseline = grid_baseline(baseline, grid.placements)
 
     def report(records: list) -> None:
         write_report(records, out, baseline, command, title)

@@ -3,7 +3,8 @@
 - a value listed twice in one option (``--seeds 0,1,0``, ``--axis lr=1e-3,0.001``): it would train once and
   count twice in the report's statistics;
 - two spellings of one placement (``hybridnorm`` and ``QKV-Post``, ``pre`` and ``Pre-Pre``): they would
-  train the same model twice and the report would count it as two placements;
+  train the same model twice and the report would count it as two placements (a ``--baseline`` spelled
+  unlike the grid's name of it is that placement: :func:`grid_baseline`);
 - a point that trains no step (``--axis steps=0``, ``--max-steps 0``): a grid judges trained runs, and a run
   of zero steps has no training record to judge (it was reported as a lost log);
 - a ``data.source`` that is not there (a missing file, a folder without text files): caught before the
@@ -67,6 +68,21 @@ def check_placement_spellings(names: Sequence[str]) -> None:
             raise ConfigError(f"--placements lists {first!r} and {name!r}, two names of one placement ({same}); "
                               "each placement may appear once")
         seen.setdefault(built, name)
+
+
+def grid_baseline(baseline: str | None, placements: Sequence[str]) -> str:
+    """The grid's name of ``--baseline``: given as another spelling of a listed placement (``pre-pre`` for
+    ``Pre-Pre``) it is that placement, named as the grid names it (the report's groups use the grid's names)."""
+    if baseline is None or baseline in placements:
+        return placements[0] if baseline is None else baseline
+    try:
+        built = _built(baseline)
+    except ConfigError as e:
+        raise ConfigError(f"--baseline {baseline!r}: {e}") from None
+    for name in placements:
+        if _built(name) == built:
+            return name
+    raise ConfigError(f"--baseline {baseline!r} is not one of the grid's placements: {', '.join(placements)}")
 
 
 def check_points_train(configs: Sequence[TrainConfig], names: Sequence[str]) -> None:
