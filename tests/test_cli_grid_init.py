@@ -54,3 +54,17 @@ def test_a_knob_that_is_no_field_is_named_as_typed_with_the_valid_ones(tmp_path:
     assert r.returncode == 2 and line.startswith(f"error: {said}; valid fields: ") and valid in line, line
     assert "or a short name: lr (optim.lr)" in line and "option --" not in line
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(("option", "said"), [
+    (["--axis", "model=1,2"], "--axis model: model is a section of fields (vocab_size, d_model,"),
+    (["--knob", "optim", "--values", "1,2"], "--knob optim: optim is a section of fields (lr, betas,"),
+])
+def test_a_knob_naming_a_config_section_is_refused_as_typed(tmp_path: Path, option: list[str], said: str) -> None:
+    """A section is no value to sweep: the error named `option --model.placement` (the override the grid adds to
+    the point), an option the user never typed, and did not say a field was wanted."""
+    r = cli_in_process("sweep", "--placements", "pre", *option, "--out", str(tmp_path / "s"), ok=False)
+    (line,) = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and line.startswith(f"error: {said}") and "not one value; name one of its fields" in line
+    assert "option --" not in line, line
+    assert not (tmp_path / "s").exists()

@@ -303,9 +303,10 @@ class Config:
     # -- dotted overrides ------------------------------------------------------------------------
 
     @classmethod
-    def check_key(cls, key: str, where: str) -> None:
+    def check_key(cls, key: str, where: str) -> Any:
         """Refuse a dotted key (``optim.lr``) that is no field of this config, naming the valid fields of the
-        section it goes wrong in; ``where`` names what the user typed (``option --optim.lrr``, ``--knob lrr``)."""
+        section it goes wrong in; ``where`` names what the user typed (``option --optim.lrr``, ``--knob lrr``).
+        Returns the config section the key names (``model``), None for a plain value."""
         parts = key.replace("-", "_").split(".")
         section: Any = cls
         for i, part in enumerate(parts):
@@ -315,6 +316,7 @@ class Config:
             check_fields(f"{where}: {here}", {part: None}, section)
             tp = _hints(section)[part]
             section = _section_of(tp)
+        return section
 
     @classmethod
     def apply_overrides(cls, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

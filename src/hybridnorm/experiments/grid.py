@@ -31,7 +31,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,14 @@ def check_knob(option: str, name: str) -> None:
     """Refuse a knob that is no config field, naming it as typed (``--knob nope``, ``--axis nope``) with the
     valid fields and the short names; the override it becomes was named instead (``option --nope``)."""
     try:
-        TrainConfig.check_key(knob_key(name), f"{option} {name}")
+        section = TrainConfig.check_key(knob_key(name), f"{option} {name}")
     except ConfigError as e:
         short = ", ".join(f"{k} ({v})" for k, v in KNOB_ALIASES.items())
         raise ConfigError(f"{e}; or a short name: {short}") from None
+    if section is not None:  # a knob is one value; a whole section's value replaced its fields' defaults
+        names = [f.name for f in fields(section)]
+        raise ConfigError(f"{option} {name}: {knob_key(name)} is a section of fields ({', '.join(names)}), not one "
+                          f"value; name one of its fields ({knob_key(name)}.{names[0]}, ...)")
 
 
 @dataclass(frozen=True)
