@@ -156,7 +156,9 @@ def test_the_plain_loss_line_fits_fewer_sequences(capsys: pytest.CaptureFixture[
     # 100k vocabulary: the plain line's fp32 logits cost more per sequence than a block stack's activations
     assert plain.modes[0].max_micro_batch < fused.modes[0].max_micro_batch
     assert cli.main(["plan", "--size", "550m", "--gpus", "1", "--loss", "plain"]) == 0
-    assert "plain LM head + loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "plain LM head + loss" in out
+    assert "parameters, 1 GPU x 80 GiB" in out and " x 1 GPU = " in out and "1 GPUs" not in out  # said "1 GPUs"
 
 
 def test_checkpointing_saves_memory_and_micro_batch_search_is_monotone() -> None:

@@ -298,6 +298,10 @@ def _table(rows: list[list[str]]) -> list[str]:
             for r in rows]
 
 
+def _gpus(n: int) -> str:
+    return f"{n:,} GPU{'s' if n != 1 else ''}"
+
+
 def _target_note(pl: Plan) -> list[str]:
     """When the default micro-batch (the largest that fits) overshoots ``--global-batch-tokens`` and a smaller
     one would reach it in one step: which to pass. The default stays what fits; the note says how to hit the
@@ -309,7 +313,7 @@ def _target_note(pl: Plan) -> list[str]:
     over = "" if n > 1 or tokens <= o.global_batch_tokens else (
         f"; one sequence per GPU already makes {tokens:,}: lower --seq-len or --gpus to come closer")
     return [f"note: the micro-batch above is the largest that fits; for the target pass --micro-batch {n} "
-            f"({n:,} x grad_accum 1 x {o.gpus:,} GPUs = {tokens:,} tokens per step; train: --batch_size={n} "
+            f"({n:,} x grad_accum 1 x {_gpus(o.gpus)} = {tokens:,} tokens per step; train: --batch_size={n} "
             f"--grad_accum=1){over}"]
 
 
@@ -318,10 +322,10 @@ def format_plan(pl: Plan) -> str:
     o = pl.options
     fits = [f"{m.mode.upper()}{' with checkpointing' if ck else ''}" for ck in (False, True) for m in pl.modes
             if pl.micro_batch <= (m.max_micro_batch_ckpt if ck else m.max_micro_batch)]
-    lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {o.gpus:,} GPUs x {o.gpu_mem:g} GiB "
+    lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {_gpus(o.gpus)} x {o.gpu_mem:g} GiB "
              f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len:,}, {o.precision}, "
              f"{'fused' if o.loss == 'fast' else o.loss} LM head + loss",
-             f"micro-batch {pl.micro_batch:,} x grad_accum {pl.grad_accum:,} x {o.gpus:,} GPUs = {pl.global_tokens:,} "
+             f"micro-batch {pl.micro_batch:,} x grad_accum {pl.grad_accum:,} x {_gpus(o.gpus)} = {pl.global_tokens:,} "
              f"tokens per step (target {o.global_batch_tokens:,})", *_target_note(pl),
              f"micro-batch {pl.micro_batch:,} fits under: {', '.join(fits)}"]
     rows = [["GiB per GPU", "params", "grads", "AdamW", "buffers", "act", "act+ckpt", "total", "w/ ckpt",
