@@ -165,3 +165,10 @@ def test_a_split_far_from_five_percent_is_noted_in_the_run_log_and_again_from_th
             captured
         assert "give it more, smaller documents" in notes[0]
     assert len(list((tmp_path / "cache").iterdir())) == 1  # one prepared folder: the second run read the cache
+    # eval scores that split too (its own corpus, or named with --data): the note again, and in its JSON
+    for extra in ([], ["--data", str(src)]):
+        assert cli.main(["eval", str(tmp_path / "first"), *extra, "--output", str(tmp_path / "e.json")]) == 0
+        captured = capsys.readouterr()
+        notes = [line for line in (captured.out + captured.err).splitlines() if "validation holds" in line]
+        assert len(notes) == 1 and notes[0] == f"note: {notes[0][6:]}" and "33.3% of the text" in notes[0], captured
+        assert json.loads((tmp_path / "e.json").read_text())["val"]["split_note"] == notes[0][6:]
