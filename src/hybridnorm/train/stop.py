@@ -15,6 +15,10 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a Dist only in hints: this module is imported before torch is
+    from hybridnorm.train.distributed import Dist
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _stopping = False  # a StopFlag in this process took a signal: the process is on its way out
@@ -55,6 +59,19 @@ class StopFlag:
             return
         self.signal = signum
         _stopping = True
+
+    def agreed(self, out_of_time: bool, out_of_steps: bool, d: Dist) -> tuple[bool, bool, bool]:
+        """(signalled, out of time, out of steps) as any rank of ``d`` found them: each rank times
+        the run from its own start, and a signal may reach one rank only. Every rank must act on the same reasons:
+        a rank alone out of time once ran the closing evaluation's collectives alone (a hang until
+        ``dist_timeout``) and the others named another reason for the stop."""
+        import torch  # here: this module is imported before torch is (process_signals)
+
+        from hybridnorm.train.distributed import all_reduce_max
+
+        flags = torch.tensor([float(self.signal is not None), float(out_of_time), float(out_of_steps)])
+        signalled, timed_out, stepped = (v > 0 for v in all_reduce_max(flags, d).tolist())
+        return signalled, timed_out, stepped
 
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():

@@ -361,8 +361,8 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
                 run_eval()
             out_of_time = cfg.max_minutes > 0 and time.perf_counter() - t_start > 60 * cfg.max_minutes
             out_of_steps = cfg.stop_after_steps > 0 and state.step - first_step >= cfg.stop_after_steps
-            stop_now = all_reduce_max(torch.tensor(float(stop.signal is not None or out_of_time or out_of_steps)),
-                                      d).item() > 0
+            signalled, out_of_time, out_of_steps = stop.agreed(out_of_time, out_of_steps, d)  # alike on every rank
+            stop_now = signalled or out_of_time or out_of_steps
             save_now = state.step % cfg.ckpt_interval == 0 or state.step == cfg.max_steps or stop_now
             if save_now and (read_back(n) or weights_nonfinite(rec, n)):  # never a checkpoint of a non-finite state
                 break
@@ -370,10 +370,10 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
                 save()
             if stop_now:
                 finish_save()
-                result.interrupted = stop.signal is not None
+                result.interrupted = signalled
                 if out_of_time and not eval_now:  # report the loss of the model we stop with (once: not at max_steps)
                     run_eval()
-                why = " (signal)" if stop.signal else " (time limit)" if out_of_time else " (stop_after_steps)"
+                why = " (signal)" if signalled else " (time limit)" if out_of_time else " (stop_after_steps)"
                 log.message(f"stopped at step {state.step}{why}"
                             + f"; checkpoint saved in {run_dir / 'checkpoints'}")
                 break
