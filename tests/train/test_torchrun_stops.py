@@ -68,3 +68,29 @@ def test_a_signal_to_one_worker_stops_every_rank_as_a_signal(corpus, cache_dir, 
     step = int(stops[0].split()[3])
     assert (Path(out) / "checkpoints" / f"step_{step:06d}").is_dir()
     assert "final:" not in text and "error:" not in text
+
+
+LEAVE_WORKER = """
+import os, time, torch
+from hybridnorm.train.distributed import init_distributed, leave
+d = init_distributed(torch.device("cpu"), timeout_s=60)
+if d.rank == 1:
+    os._exit(0)  # gone after the last collective, before the group is left together
+time.sleep(2)
+try:
+    leave()
+except Exception as e:
+    print(f"RAISED {type(e).__name__}: {e}")
+"""
+
+
+def test_a_rank_gone_before_the_group_is_left_is_one_collective_error(tmp_path):
+    """``leave()`` (every command's last barrier under torchrun) met a peer already gone with gloo's raw
+    RuntimeError, a traceback on the surviving rank where every other collective says one ``error:`` line
+    (cli.main prints a CollectiveError as one)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(LEAVE_WORKER)
+    r = run([*TORCHRUN, "--nproc_per_node", "2", str(worker)], tmp_path, timeout=120)
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("RAISED")]
+    assert line.startswith("RAISED CollectiveError: rank 0 of 2: a collective failed: another rank's process went "
+                           "away"), line

@@ -82,6 +82,9 @@ def launched_world() -> int:
     return world if "RANK" in os.environ else 1
 
 
+_timeout_s = 600.0  # the joined group's dist_timeout, for leave()'s message
+
+
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
     """Join the process group when launched by torchrun (with any number of processes, one included); a no-op
     otherwise. Every collective (and the joining itself) fails after ``timeout_s`` seconds of waiting for
@@ -98,6 +101,8 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> Dist:
     if not dist.is_initialized():
         # On GPU, nccl carries the CUDA tensors (gradients, FSDP's all-gathers) and gloo the small CPU ones the
         # loop reduces (stop flags, eval sums, checkpoint save status): nccl alone refuses CPU tensors.
+        global _timeout_s
+        _timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", timeout=timeout,
                                 **_attempt_store(timeout))
@@ -161,5 +166,11 @@ def leave() -> None:
     while another still holds it: a rank that did could abort in gloo's teardown ("terminate called without
     an active exception", exit -6; seen on a grid re-run with nothing left to train)."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError as e:  # a rank gone after the last collective: one error line, as in the loop
+            lost = collective_error(e, current_dist(), _timeout_s)
+            if lost is None:
+                raise
+            raise lost from None
         dist.destroy_process_group()
