@@ -151,3 +151,14 @@ def test_the_setup_line_says_when_the_warmup_outlasts_the_runs(tmp_path, warmup,
     text = write_report(runs, tmp_path).read_text()
     setup = next(x for x in text.splitlines() if x.startswith("Setup shared by every run"))
     assert f"warmup {warmup} steps{said}, clip" in setup
+
+
+def test_a_run_just_short_of_the_margin_is_not_shown_at_it(tmp_path):
+    """Unigram 6.0, val 5.9: the gain is 0.0999999999999996 in floats, under the 0.1 margin, so the run is
+    stalled; its row must not read "0.100 nats below ...; trained needs ≥ 0.1 below" (a reader checks the
+    verdict from the numbers in the row)."""
+    text = write_report([_run(tmp_path, "pre", 0, 5.9)], tmp_path).read_text()
+    row = next(x for x in text.splitlines() if x.startswith("| pre-megatron"))
+    assert "| stalled |" in row and "0.100 nats below" not in row
+    gain = float(row.split(" is ")[1].split(" nats below")[0])
+    assert gain < 0.1

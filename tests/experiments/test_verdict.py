@@ -6,7 +6,15 @@ import math
 import pytest
 
 from hybridnorm.experiments.runs import read_run
-from hybridnorm.experiments.verdict import COLLAPSE_COS, STALL_MARGIN, VANISH_RATIO, collapse_signals, judge
+from hybridnorm.experiments.verdict import (
+    COLLAPSE_COS,
+    FALLBACK_RATIO,
+    PROGRESS_FRACTION,
+    STALL_MARGIN,
+    VANISH_RATIO,
+    collapse_signals,
+    judge,
+)
 
 H = 6.172  # the KJV unigram baseline
 
@@ -93,3 +101,38 @@ def test_run_folder_verdict_and_record(tmp_path):
     assert rec["final_val_loss"] == 6.19 and rec["tokens_seen"] == 10000 and rec["val_tokens"] == 4096
     assert rec["cos_collapsed_frac"] == 0.75 and rec["run"] == "r"
     json.dumps(rec, allow_nan=False)  # strict JSON: no NaN in a record
+
+
+def _numbers(text: str) -> list[float]:
+    import re
+
+    return [float(x) for x in re.findall(r"\d+(?:\.\d+)?(?:e-?\d+)?", text)]
+
+
+def test_a_reason_at_a_threshold_shows_the_side_its_verdict_was_decided_on():
+    """Each number a reason holds against a threshold reads on the side of it the rule found (hand check:
+    parse the shown number, compare it with the documented threshold). Shown at 3 digits, a gain of
+    0.0999999999999996 read "0.100 ... trained needs ≥ 0.1" under a *stalled* verdict."""
+    v = judge(diverged=False, final_val_loss=5.9, unigram_entropy=6.0, first_train_loss=9.0, final_train_loss=5.9)
+    assert v.verdict == "stalled" and 6.0 - 5.9 < STALL_MARGIN  # the float difference is just under
+    gain = v.reason.split(" is ")[1].split(" nats below")[0]
+    assert float(gain) < STALL_MARGIN and gain != "0.100"
+    v = judge(diverged=False, final_val_loss=5.0, unigram_entropy=6.0, first_train_loss=9.0, final_train_loss=5.0,
+              best_gain=4.0 + 1e-7)  # 1.0 nats of 4.0000001: just under 25%
+    share = v.reason.split(", ")[1].split("%")[0]
+    assert v.verdict == "stalled" and float(share) < 100 * PROGRESS_FRACTION
+    v = judge(diverged=False, final_val_loss=5.0, unigram_entropy=6.0, first_train_loss=9.0, final_train_loss=5.0,
+              last_diag=_diag(2, [0.1, 0.1], first=VANISH_RATIO * (1 - 1e-9), last=1.0), n_layers=2)
+    assert v.verdict == "collapsed" and _numbers(v.reason.split("ratio ")[1])[0] < VANISH_RATIO
+    cos = [COLLAPSE_COS] * 51 + [0.1] * 50  # 51 of 101 blocks: "50%" would not be "most"
+    v = judge(diverged=False, final_val_loss=5.0, unigram_entropy=6.0, first_train_loss=9.0, final_train_loss=5.0,
+              last_diag=_diag(101, cos), n_layers=101)
+    assert v.verdict == "collapsed" and _numbers(v.reason.split(" in ")[1])[0] > 50
+    seen = set()
+    for final in (8.55, 9.0 * FALLBACK_RATIO):  # 8.55 / 9 is 0.9500000000000001; 9 × 0.95 / 9 is just under
+        v = judge(diverged=False, final_val_loss=None, unigram_entropy=None, first_train_loss=9.0,
+                  final_train_loss=final)
+        ratio = float(v.reason.split("(")[1].split("×")[0])
+        assert (ratio < FALLBACK_RATIO) == (v.verdict == "trained"), v.reason
+        seen.add(v.verdict)
+    assert seen == {"trained", "stalled"}

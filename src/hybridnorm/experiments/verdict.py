@@ -39,6 +39,7 @@ docs/results/README.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,18 @@ class Verdict:
 
     def __str__(self) -> str:
         return self.verdict
+
+
+def _shown(x: float, holds: Callable[[float], bool], digits: int, kind: str = "f") -> str:
+    """``x`` with ``digits`` digits (``kind``: ``f``, ``e`` or ``%``), or with more where fewer would make the
+    rule ``holds`` read otherwise of the shown number than of ``x``: a gain of 0.0999999 shown as 0.100 beside
+    "trained needs ≥ 0.1" contradicted its own verdict, and a reader could not check it."""
+    scale = 100.0 if kind == "%" else 1.0
+    for d in range(digits, 18):
+        text = f"{x * scale:.{d}{'f' if kind == '%' else kind}}"
+        if holds(float(text) / scale) == holds(x):
+            return text + ("%" if kind == "%" else "")
+    return repr(x)  # every digit: what the rule read
 
 
 def collapse_signals(diag: dict[str, Any] | None, n_layers: int) -> dict[str, float]:
@@ -88,23 +101,33 @@ def judge(*, diverged: bool, diverged_at: int | None = None, final_val_loss: flo
     sig = collapse_signals(last_diag, n_layers)
     frac, ratio = sig.get("cos_collapsed_frac"), sig.get("grad_ratio_first_last")
     if frac is not None and frac > 0.5:
-        return Verdict("collapsed", f"token cosine ≥ {COLLAPSE_COS} in {frac:.0%} of blocks")
+        shown = _shown(frac, lambda f: f > 0.5, 0, "%")  # "most": 51 of 101 blocks is 50.5%, not 50%
+        return Verdict("collapsed", f"token cosine ≥ {COLLAPSE_COS} in {shown} of blocks")
     if ratio is not None and ratio < VANISH_RATIO:
-        return Verdict("collapsed", f"first/last block gradient ratio {ratio:.1e} < {VANISH_RATIO:g}")
+        shown = _shown(ratio, lambda q: q < VANISH_RATIO, 1, "e")
+        return Verdict("collapsed", f"first/last block gradient ratio {shown} < {VANISH_RATIO:g}")
     if final_val_loss is not None and unigram_entropy is not None:
         gain = unigram_entropy - final_val_loss
         if gain < STALL_MARGIN:
-            where = f"{gain:.3f} nats below" if gain > 0 else f"{-gain:.3f} nats above"
+            where = (f"{_shown(gain, lambda g: g < STALL_MARGIN, 3)} nats below" if gain > 0
+                     else f"{-gain:.3f} nats above")
             return Verdict("stalled", f"val {final_val_loss:.3f} is {where} the unigram baseline "
                                       f"{unigram_entropy:.3f}; trained needs ≥ {STALL_MARGIN:g} below")
-        if best_gain is not None and best_gain > 0 and gain < PROGRESS_FRACTION * best_gain:
+        # decided on the share itself, the number the reason shows (its product form can differ by an ulp)
+        if best_gain is not None and best_gain > 0 and gain / best_gain < PROGRESS_FRACTION:
+            share = _shown(gain / best_gain, lambda f: f < PROGRESS_FRACTION, 0, "%")
             return Verdict("stalled", f"val {final_val_loss:.3f} is {gain:.3f} nats below the unigram baseline "
-                                      f"{unigram_entropy:.3f}, {gain / best_gain:.0%} of the best same-budget "
+                                      f"{unigram_entropy:.3f}, {share} of the best same-budget "
                                       f"run's {best_gain:.3f}; trained needs ≥ {PROGRESS_FRACTION:.0%}")
         return Verdict("trained", f"val {final_val_loss:.3f}, {gain:.3f} nats below the unigram baseline")
     if first_train_loss is None or final_train_loss is None:
         return Verdict("stalled", "no loss logged")
-    if not final_train_loss < FALLBACK_RATIO * first_train_loss:
-        return Verdict("stalled", f"train loss {first_train_loss:.3f} → {final_train_loss:.3f} "
-                                  f"(needs < {FALLBACK_RATIO:g}×; no unigram baseline logged)")
-    return Verdict("trained", f"train loss {first_train_loss:.3f} → {final_train_loss:.3f} (no unigram baseline)")
+    # the ratio the reason shows decides (a cross-entropy's first loss is > 0)
+    fell = final_train_loss / first_train_loss if first_train_loss > 0 else math.inf
+    below = fell < FALLBACK_RATIO
+    ratio_text = _shown(fell, lambda q: q < FALLBACK_RATIO, 3)
+    if not below:
+        return Verdict("stalled", f"train loss {first_train_loss:.3f} → {final_train_loss:.3f} ({ratio_text}×; "
+                                  f"trained needs < {FALLBACK_RATIO:g}×; no unigram baseline logged)")
+    return Verdict("trained", f"train loss {first_train_loss:.3f} → {final_train_loss:.3f} ({ratio_text}×; "
+                              "no unigram baseline)")
