@@ -5,7 +5,9 @@ tokens it saw, and from these its budget (which runs' losses compare).
 A config records what was asked; what ran can differ. ``global_batch=0`` resolves to processes × batch_size
 × grad_accum, so one config trains twice the tokens per step under ``torchrun --nproc_per_node 2``; a data
 file changed under the same path keeps its ``data.source``; a run continued after ``git pull`` was made by
-two versions of the code, each in its own ``meta`` record. Reports compare runs by these figures.
+two versions of the code, each in its own ``meta`` record; a run resumed by ``train --resume`` with another
+learning rate or step count trained its later steps with them, though ``point.json`` keeps the grid's
+(the trainer logs a ``config_changed_on_resume`` event). Reports compare runs by these figures.
 
 The data fingerprint is what the trainer computed from the tokens themselves and logged in every ``meta``
 record (train and validation token counts, the unigram cross-entropy of validation under the train
@@ -30,6 +32,7 @@ class Logged(Protocol):
     metas: list[dict[str, Any]]
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
+    events: list[dict[str, Any]]
     divergence: dict[str, Any] | None
 
 
@@ -142,3 +145,33 @@ def distinct(values: list[Any]) -> list[Any]:
 def session_values(r: Logged, field: str) -> list[Any]:
     """The distinct recorded values of a session field (``code``, ``hardware``) across the run's sessions."""
     return distinct([s[field] for s in sessions(r)])
+
+
+def config_changes(r: Logged) -> list[dict[str, Any]]:
+    """The config changes the run trained with after a resume (its ``config_changed_on_resume`` events before
+    its last train step: one at the last step changed nothing trained), each ``{"step", "fields", "values"}``,
+    ``values`` ``{field: [before, after]}`` or None where the trainer logged the names only (before
+    2026-12-03)."""
+    last = r.train[-1]["step"] if r.train else 0
+    out = []
+    for e in r.events:
+        if e.get("event") == "config_changed_on_resume" and isinstance(e.get("step"), int) and e["step"] < last:
+            fields = [str(f) for f in e.get("fields") or [] if isinstance(f, str)]
+            values = e.get("values") if isinstance(e.get("values"), dict) else None
+            if fields:
+                out.append({"step": e["step"], "fields": fields, "values": values})
+    return out
+
+
+def describe_changes(changes: list[dict[str, Any]], skip: frozenset[str] | set[str] = frozenset()) -> str:
+    """``optim.lr 0.01 → 0.05 from step 6; max_steps ... from step 9`` (fields in ``skip`` left out)."""
+    parts = []
+    for c in changes:
+        shown = []
+        for f in (f for f in c["fields"] if f not in skip):
+            v = (c["values"] or {}).get(f)
+            pair = v if isinstance(v, list) and len(v) == 2 else None
+            shown.append(f"{f} {json.dumps(pair[0])} → {json.dumps(pair[1])}" if pair else f"{f} (values not logged)")
+        if shown:
+            parts.append(f"{', '.join(shown)} from step {c['step']}")
+    return "; ".join(parts)

@@ -60,7 +60,14 @@ def ran_differences(runs: Sequence[RunRecord]) -> list[str]:
               "data files": [v for r in runs for v in as_run.session_values(r, "data_sha256")],  # known ones
               "code": [v for r in runs for v in as_run.session_values(r, "code")],
               "hardware": [v for r in runs for v in as_run.session_values(r, "hardware")]}
-    return [name for name, values in checks.items() if len(as_run.distinct(values)) > 1]
+    return [name for name, values in checks.items() if len(as_run.distinct(values)) > 1] + (
+        ["config changed on resume"] if any(resumed_changes(r) for r in runs) else [])
+
+
+def resumed_changes(r: RunRecord) -> str:
+    """What the run trained with after a resume that its config (``point.json``) does not say, in words;
+    empty when nothing (the pause and measuring fields are not changes to training)."""
+    return as_run.describe_changes(as_run.config_changes(r), NOT_TRAINING)
 
 
 def differences(runs: Sequence[RunRecord]) -> list[str]:
@@ -83,8 +90,10 @@ def partly_recorded_fields(runs: Sequence[RunRecord]) -> list[str]:
 
 def ran_apart(runs: Sequence[RunRecord]) -> dict[str, str]:
     """Run folder name -> a label suffix for runs whose tokens per step or data differ from runs of the same
-    init and knob values (configs alike, e.g. a grid continued under torchrun with another process count):
-    their groups are kept apart, so no mean pools them and no Δ pairs them. Empty when every cell is alike."""
+    init and knob values (configs alike, e.g. a grid continued under torchrun with another process count),
+    and for runs resumed with other settings than their config's (``train --resume --optim.lr=...`` in a
+    grid's run folder): their groups are kept apart, so no mean pools them and no Δ pairs them. Empty when
+    every cell is alike."""
     cells: dict[tuple, list[RunRecord]] = {}
     for r in runs:
         cells.setdefault((r.init, tuple(sorted(r.knobs.items(), key=str))), []).append(r)
@@ -98,6 +107,7 @@ def ran_apart(runs: Sequence[RunRecord]) -> dict[str, str]:
             parts += [f"data {' then '.join(as_run.data_keys(r)) or 'not recorded'}"] if len(data) > 1 else []
             shas = as_run.session_values(r, "data_sha256")
             parts += [f"data files {' then '.join(shas) or 'not recorded'}"] if len(files) > 1 else []
+            parts += [f"resumed with {changed}"] if (changed := resumed_changes(r)) else []
             if parts:
                 notes[r.path.name] = "[" + "; ".join(parts) + "]"
     return notes
@@ -207,15 +217,20 @@ def describe_setup(done: Sequence[RunRecord], fields: dict[str, list[str]], base
                                                    or "nothing (one configuration, one seed)")
               + ". Each Δ below pairs a placement with the baseline "
               + f"`{baseline}` at the same init axis value, knob values and seed"
-              + ("; runs that trained other tokens per step or data than the runs of their init and knob values "
-                 "are grouped apart, [bracketed], and paired only with their like" if any(r.ran_note for r in done)
-                 else "") + ".", ""]
+              + ("; runs that trained other tokens per step or data than the runs of their init and knob values, "
+                 "or were resumed with other settings, are grouped apart, [bracketed], and paired only with their "
+                 "like" if any(r.ran_note for r in done) else "") + ".", ""]
     if fields["partly_recorded"]:
         lines += ["Recorded in only some runs' configs (fields added to the config after the other runs' "
                   "configs were written; those runs ran with the default of the code that trained them, see "
                   "the code line): " + ", ".join(f"`{f}`" for f in fields["partly_recorded"]) + ".", ""]
     lines += [f"Code that made the runs: {provenance_line(done, 'code', describe_code)}.", "",
               f"Hardware that ran them: {provenance_line(done, 'hardware', describe_hardware)}.", ""]
+    changed = [f"`{r.path.name}` ({text})" for r in done if (text := resumed_changes(r))]
+    if changed:
+        lines += ["**Resumed with other settings than its config's** (the setup line and `point.json` give the "
+                  "config; these runs trained the steps after the one named with the new values, and are grouped "
+                  "apart): " + "; ".join(changed) + ".", ""]
     lines += resumed_line(done, "code", describe_code, "code versions")
     lines += resumed_line(done, "hardware", describe_hardware, "hardware")
     lines += resumed_line(done, "data", str, "data (the data file changed under its path)")

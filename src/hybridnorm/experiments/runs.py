@@ -157,6 +157,7 @@ class RunRecord:
             "params": self.meta.get("params"), "precision": cfg.get("precision"),
             "diverged_at": self.diverged_at, "code": self.meta.get("code"),  # None: made before it was logged
             "hardware": self.meta.get("hardware"), "sessions": as_run.sessions(self),
+            "config_changes": as_run.config_changes(self),  # train --resume with other settings
             **{k: _num(x) for k, x in collapse_signals(self.diag[-1] if self.diag else None, self.n_layers).items()},
         }
 
@@ -333,6 +334,11 @@ def read_run(path: str | Path, placement: str | None = None, seed: int | None = 
     if rec.done and not rec.diverged and isinstance(end, int) and (not rec.eval or rec.eval[-1]["step"] != end):
         # the trainer evaluates at max_steps; without that record an earlier loss would be judged as final
         last = f"its last eval is at step {rec.eval[-1]['step']}" if rec.eval else "it holds no eval record"
+        if rec.eval and rec.eval[-1]["step"] > end:  # trained on past its point (train --resume --max_steps=...)
+            raise ConfigError(f"metrics file {metrics}: {last}, past the max_steps={end} of its grid point "
+                              "(point.json): it was trained on after the grid finished it (train --resume with "
+                              "more steps), so it is not this point's run and it is not judged; delete the run "
+                              "folder to retrain it")
         raise ConfigError(f"metrics file {metrics}: {last}, yet the run is marked finished at step {end} "
                           "(done.json): its log was cut short, so its final loss is unknown and it is not judged; "
                           "delete the run folder to retrain it")

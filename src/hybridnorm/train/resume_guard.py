@@ -47,10 +47,11 @@ RUN_CONTROL_FIELDS = frozenset({"out_dir", "data.cache_dir", "max_minutes", "sto
                                 "global_batch", "dist_timeout", "async_checkpoint"})
 
 
-def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Path) -> list[str]:
+def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Path) -> dict[str, list[Any]]:
     """Check that ``cfg`` (vocab and precision resolved) and ``tokenizer`` continue the run in ``run_dir``,
     whose checkpoint ``ckpt`` is about to be loaded. Returns the dotted fields that differ from the recorded
-    ``config.yaml`` (``ckpt``'s copy, else the run's) and may (sorted); raises ConfigError for the ones that
+    ``config.yaml`` (``ckpt``'s copy, else the run's) and may (sorted), each with ``[recorded, requested]`` (a
+    report of the run states what it trained with from then on); raises ConfigError for the ones that
     may not, or a tokenizer that is not the recorded one. Without a recorded config or tokenizer (an older
     layout) that is not checked."""
     recorded_tok = checked_tokenizer_file(ckpt)
@@ -63,28 +64,28 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Pa
                               f"config.yaml), or pass --data.tokenizer={recorded_tok} to keep its tokenizer")
     recorded_cfg = checked_run_file(ckpt, "config.yaml")
     if not recorded_cfg.is_file():
-        return []
+        return {}
     recorded, requested = TrainConfig.load(recorded_cfg).to_dict(), cfg.to_dict()
     changed = [k for k in config_differences(recorded, requested) if k not in RUN_CONTROL_FIELDS]
     fixed = [k for k in changed if k.startswith("model.") and k not in FREE_MODEL_FIELDS
              and not k.startswith(FREE_MODEL_SECTIONS)]
+    before, after = flatten_config(recorded), flatten_config(requested)
     if fixed:
-        before, after = flatten_config(recorded), flatten_config(requested)
         what = ", ".join(f"{k}: {_show(before.get(k))} -> {_show(after.get(k))}" for k in fixed)
         raise ConfigError(f"cannot resume {run_dir} as a different model ({what}; recorded in "
                           f"{recorded_cfg}): resume with the run's own model settings, or train the new "
                           "model in another --out")
-    return changed
+    return {k: [before.get(k), after.get(k)] for k in changed}
 
 
-def resume_events(changed: list[str], extra: dict[str, Any], data_sha256: str) -> list[dict[str, Any]]:
+def resume_events(changed: dict[str, list[Any]], extra: dict[str, Any], data_sha256: str) -> list[dict[str, Any]]:
     """The events a resume logs: the config fields that changed (:func:`check_resume`), and new data under
     the run's data settings, told by the sha256 of the data files that the checkpoint recorded (a file
     edited in place keeps ``data.source``, and may keep its size, mtime and token counts). Like a changed
     ``data.source`` it is allowed, and logged; a checkpoint from before the hash was kept has none."""
     events: list[dict[str, Any]] = []
-    if changed:
-        events.append({"event": "config_changed_on_resume", "fields": changed})
+    if changed:  # "values": {field: [before, after]} (since 2026-12-03; "fields" alone before)
+        events.append({"event": "config_changed_on_resume", "fields": list(changed), "values": changed})
     recorded = extra.get("data_sha256")
     if isinstance(recorded, str) and recorded and data_sha256 and recorded != data_sha256:
         events.append({"event": "data_changed_on_resume", "recorded_data_sha256": recorded,

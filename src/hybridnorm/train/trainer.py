@@ -167,7 +167,7 @@ def _train(cfg: TrainConfig, device: torch.device, d: Dist, *, resume: bool, qui
         raise ConfigError(f"float8=true: {reason} ({why})")
     cfg = replace(cfg, precision=precision)  # config.yaml records what was chosen, not "auto"
     # a resume continues the run's model with its tokenizer (checked before config.yaml is rewritten)
-    changed = check_resume(run_dir, cfg, data.tokenizer, ckpt) if ckpt is not None else []
+    changed = check_resume(run_dir, cfg, data.tokenizer, ckpt) if ckpt is not None else {}
     train_tokens, val_tokens = data.train_tokens(), data.val_tokens()
 
     torch.manual_seed(cfg.seed)
