@@ -10,7 +10,7 @@ from hybridnorm.experiments.runs import read_run
 
 
 def _run(root, placement, seed, val, *, lr=1e-3, init="megatron", extra=None, code=None, hardware=None,
-         diverged=False, bigram=None):
+         diverged=False, bigram=None, grad_last=3.0):
     """A finished run folder written by hand; unigram baseline 6.0, so val < 5.9 is `trained`."""
     run = root / "runs" / f"{placement}-{init}-lr{lr}-s{seed}"
     run.mkdir(parents=True)
@@ -21,7 +21,8 @@ def _run(root, placement, seed, val, *, lr=1e-3, init="megatron", extra=None, co
     meta = {"kind": "meta", "step": 0, "init": init, "unigram_entropy": 6.0,
             **({"code": code} if code else {}), **({"hardware": hardware} if hardware else {}),
             **({"bigram_entropy": bigram} if bigram is not None else {})}
-    diag = {"kind": "diag", "step": 1, **{f"grad_norm/blocks.{i}": 1.0 + i for i in range(3)}}
+    diag = {"kind": "diag", "step": 1, **{f"grad_norm/blocks.{i}": 1.0 + i for i in range(2)},
+            "grad_norm/blocks.2": grad_last}
     end = (extra or {}).get("max_steps", 10)  # the trainer logs and evaluates at max_steps; 10 tokens per step
     recs = [meta, diag, {"kind": "train", "step": end, "loss": val, "tokens": 10 * end},
             {"kind": "eval", "step": end, "val_loss": val, "val_tokens": 100}]
@@ -162,3 +163,33 @@ def test_a_run_just_short_of_the_margin_is_not_shown_at_it(tmp_path):
     assert "| stalled |" in row and "0.100 nats below" not in row
     gain = float(row.split(" is ")[1].split(" nats below")[0])
     assert gain < 0.1
+
+
+def test_the_gradient_balance_table_gives_every_seed_not_only_a_mean(tmp_path):
+    """First block 1.0; last blocks 1.0, 2.0 and 3e11 (a seed whose bottom stopped learning): the mean ± std
+    alone (1e11 ± 1.7e11) hid which seed it was and that the other two are near 1."""
+    runs = [_run(tmp_path, "pre", s, 5.0, grad_last=g) for s, g in ((0, 1.0), (1, 2.0), (2, 3e11))]
+    text = write_report(runs, tmp_path).read_text()
+    section = text.split("## Gradient balance")[1].split("## ")[0]
+    (row,) = [x for x in section.splitlines() if x.startswith("| `pre")]
+    assert row.split(" | ")[1].endswith(" (0: 1, 1: 2, 2: 3e+11)")
+
+
+def test_a_delta_says_how_many_seeds_it_pairs_and_a_missing_one_says_why(tmp_path):
+    """post's seed 2 diverged: its Δ pairs seeds 0 and 1 only, and says so; at lr 1e-2 the baseline has no
+    run at all, and at 1e-1 every baseline seed diverged: no Δ, and one line each says why."""
+    runs = [_run(tmp_path, "pre", s, 5.0 + s / 10) for s in (0, 1, 2)]
+    runs += [_run(tmp_path, "post", s, 4.9 + s / 10 + s * s / 100, diverged=s == 2) for s in (0, 1, 2)]
+    runs += [_run(tmp_path, "post", 0, 4.0, lr=1e-2)]
+    runs += [_run(tmp_path, "pre", 0, 5.0, lr=1e-1, diverged=True), _run(tmp_path, "post", 0, 4.0, lr=1e-1)]
+    text = write_report(runs, tmp_path).read_text()
+    groups = {g["label"]: g for g in json.loads((tmp_path / "runs.json").read_text())["groups"]}
+    post = groups["post optim.lr=0.001"]
+    assert post["diff_vs_baseline"]["n"] == 2  # seeds 0 and 1: -0.1 and -0.09
+    assert post["diff_text"].endswith(" (n=2 of 3 seeds)")
+    assert f"| {post['diff_text']} |" in text
+    assert ("No Δ for `post optim.lr=0.01`: no finished `pre` run at its init axis value and knob values."
+            in text.splitlines())
+    assert ("No Δ for `post optim.lr=0.1`: no seed with a finite final val loss in both it and `pre`."
+            in text.splitlines())
+    assert not any(x.startswith("No Δ for `pre") for x in text.splitlines())  # the baseline itself

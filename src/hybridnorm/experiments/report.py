@@ -27,7 +27,7 @@ from hybridnorm.experiments.differences import (
     varying_fields,
 )
 from hybridnorm.experiments.runs import RunRecord, set_peer_gains
-from hybridnorm.experiments.stats import fmt_mean_std, paired_difference
+from hybridnorm.experiments.stats import PairedDiff, fmt_mean_std, paired_difference
 
 
 def group_key(r: RunRecord) -> tuple:
@@ -82,13 +82,32 @@ def _group_stats(done: Sequence[RunRecord], baseline: str | None) -> list[dict[s
         diff = paired_difference(val, {r.seed: r.final_val_loss for r in base}) \
             if base and placement != baseline else None
         out.append({"placement": placement, "init": init, "knobs": dict(knobs), "label": group[0].label,
+                    "no_diff_because": _no_diff_because(placement, baseline, base, diff),
                     "inits_used": sorted({r.resolved_init for r in group}),
                     "verdicts": {v: sum(r.verdict.verdict == v for r in group) for v in verdict.VERDICTS},
                     "val_loss_by_seed": {str(s): (v if math.isfinite(v) else None) for s, v in sorted(val.items())},
                     "val_loss_mean_std": fmt_mean_std(list(val.values())),
-                    "diff_vs_baseline": diff.to_dict() if diff else None, "diff_text": str(diff) if diff else "",
+                    "diff_vs_baseline": diff.to_dict() if diff else None, "diff_text": _diff_text(diff, len(val)),
                     "baseline_inits": sorted({r.resolved_init for r in base})})
     return out
+
+
+def _diff_text(diff: PairedDiff | None, seeds: int) -> str:
+    """The Δ as the table shows it, with how many seeds it pairs when that is fewer than the group has (a seed
+    of either side that diverged or is missing is left out of the pairs)."""
+    if diff is None or diff.n == 0:
+        return ""
+    return f"{diff} (n={diff.n} of {seeds} seeds)" if 1 < diff.n < seeds else str(diff)
+
+
+def _no_diff_because(placement: str, baseline: str | None, base: Sequence[RunRecord],
+                     diff: PairedDiff | None) -> str:
+    """Why a group other than the baseline has no Δ (empty when it has one, or is the baseline)."""
+    if placement == baseline or (diff is not None and diff.n > 0):
+        return ""
+    if not base:
+        return f"no finished `{baseline}` run at its init axis value and knob values"
+    return f"no seed with a finite final val loss in both it and `{baseline}`"
 
 
 def _numeric_axes(done: Sequence[RunRecord]) -> list[str]:
@@ -150,6 +169,8 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
                      f"{g['diff_text'] or '—'} |")
     lines += ["", "Δ < 0: lower validation loss than the baseline. Means, std and Δ use every finished run that "
               "did not diverge, whatever its verdict; the verdict counts say how many trained.", ""]
+    lines += [f"No Δ for `{g['label']}`: {g['no_diff_because']}." for g in groups if g["no_diff_because"]]
+    lines += [""] if any(g["no_diff_because"] for g in groups) else []
     for key in axes:
         lines += _largest_trained(done, key)
     lines += _gradient_table(done)
@@ -205,21 +226,24 @@ def _largest_trained(done: Sequence[RunRecord], key: str) -> list[str]:
 def _gradient_table(done: Sequence[RunRecord]) -> list[str]:
     """Ratio of the last block's gradient norm to the first block's, at step 1 and step 100: > 1 means
     gradients grow with depth (Pre-Norm's signature in the paper), < 1 that they shrink toward the top."""
-    rows = ["## Gradient balance", "", "| group | ‖∇ last block‖ / ‖∇ first block‖ at step 1 | at step 100 |",
-            "|---|---|---|"]
+    rows = ["## Gradient balance", "", "| group | ‖∇ last block‖ / ‖∇ first block‖ at step 1, mean ± std (per seed) "
+            "| at step 100 |", "|---|---|---|"]
     labels = list(dict.fromkeys(r.label for r in done))
     any_value = False
     for label in labels:
         cells = []
         for step in (1, 100):
-            ratios = []
+            ratios = {}
             for r in (r for r in done if r.label == label):
                 rec = r.diag_at(step)
                 prof = r.by_layer(rec, "grad_norm")
                 if len(prof) >= 2 and prof[0] > 0 and (rec or {}).get("step") == step:
-                    ratios.append(prof[-1] / prof[0])
+                    ratios[r.seed] = prof[-1] / prof[0]
             any_value |= bool(ratios)
-            cells.append(fmt_mean_std(ratios, 3) if ratios else "—")
+            # per seed too: one collapsed seed's 1e11 would otherwise hide in a mean ± std
+            per_seed = ", ".join(f"{s}: {v:.3g}" for s, v in sorted(ratios.items()))
+            shown = fmt_mean_std(list(ratios.values()), 3) if ratios else "—"
+            cells.append(f"{shown} ({per_seed})" if len(ratios) > 1 else shown)
         rows.append(f"| `{label}` | {cells[0]} | {cells[1]} |")
     return [*rows, ""] if any_value else []
 
