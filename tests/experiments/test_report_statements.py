@@ -193,3 +193,15 @@ def test_a_delta_says_how_many_seeds_it_pairs_and_a_missing_one_says_why(tmp_pat
     assert ("No Δ for `post optim.lr=0.1`: no seed with a finite final val loss in both it and `pre`."
             in text.splitlines())
     assert not any(x.startswith("No Δ for `pre") for x in text.splitlines())  # the baseline itself
+
+
+def test_the_largest_value_every_seed_trained_at_counts_the_seeds_not_finished(tmp_path):
+    """Seed 1 at lr 1e-2 has not finished (no done.json): "every seed trained" cannot be said of 1e-2 yet;
+    the table once named 1e-2 from the one seed that had finished."""
+    runs = [_run(tmp_path, "pre", s, 5.0, lr=lr) for lr in (1e-3, 1e-2) for s in (0, 1)]
+    (runs[3].path / "done.json").unlink()
+    runs[3] = read_run(runs[3].path)
+    text = write_report(runs, tmp_path).read_text()
+    section = text.split("## Largest `optim.lr` that trained")[1].split("## ")[0]
+    (row,) = [x for x in section.splitlines() if x.startswith("| `pre")]
+    assert row == "| `pre init=megatron` | 0.001 | 0.001: 2 trained; 0.01: 1 trained, 1 not finished |"

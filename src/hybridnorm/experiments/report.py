@@ -172,7 +172,7 @@ def _summary(runs: Sequence[RunRecord], done: Sequence[RunRecord], groups: list[
     lines += [f"No Δ for `{g['label']}`: {g['no_diff_because']}." for g in groups if g["no_diff_because"]]
     lines += [""] if any(g["no_diff_because"] for g in groups) else []
     for key in axes:
-        lines += _largest_trained(done, key)
+        lines += _largest_trained(runs, key)
     lines += _gradient_table(done)
     lines += ["## Every run", "", "| run | placement | init | knobs | seed | verdict | val loss | train loss | "
               "tokens | why |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -206,21 +206,26 @@ def _loss(rec: dict[str, Any], kind: str) -> str:
     return f"{last:.4f} (step {step})" if last is not None else "—"
 
 
-def _largest_trained(done: Sequence[RunRecord], key: str) -> list[str]:
-    """Per group of the other factors: the largest ``key`` value at which every seed trained."""
+def _largest_trained(runs: Sequence[RunRecord], key: str) -> list[str]:
+    """Per group of the other factors: the largest ``key`` value at which every seed of the grid trained; a
+    value with a seed not finished (unfinished, failed, unreadable) is not one, and its count says so."""
     cells: dict[str, dict[Any, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for r in done:
+    for r in runs:
         rest = " ".join([r.placement, f"init={r.init}"] + [f"{k}={v}" for k, v in r.knobs.items() if k != key]
                         + [r.ran_note] * bool(r.ran_note))
-        cells[rest][r.knobs[key]].append(r.verdict.verdict)
+        cells[rest][r.knobs[key]].append(r.verdict.verdict if r.done else NOT_FINISHED)
     lines = [f"## Largest `{key}` that trained (every seed `trained`)", "", f"| group | largest `{key}` | "
              "verdicts per value |", "|---|---|---|"]
     for rest, by_value in cells.items():
         ok = [v for v, vs in by_value.items() if all(x == "trained" for x in vs)]
-        detail = "; ".join(f"{v}: " + ", ".join(f"{vs.count(x)} {x}" for x in verdict.VERDICTS if x in vs)
+        detail = "; ".join(f"{v}: " + ", ".join(f"{vs.count(x)} {x}" for x in (*verdict.VERDICTS, NOT_FINISHED)
+                                                if x in vs)
                            for v, vs in sorted(by_value.items()))
         lines.append(f"| `{rest}` | {max(ok) if ok else 'none'} | {detail} |")
     return [*lines, ""]
+
+
+NOT_FINISHED = "not finished"  # a seed with no verdict yet: "every seed trained" cannot be said of its value
 
 
 def _gradient_table(done: Sequence[RunRecord]) -> list[str]:
