@@ -220,7 +220,7 @@ def test_a_value_where_a_section_goes_is_refused_not_replaced_by_defaults(tmp_pa
                                                                           cache_dir: Path, case: str,
                                                                           needles: list[str]) -> None:
     """A dotted override into a section given as a plain value replaced the value by the section's defaults
-    before 2026-12-03: ``--model=1 --placement pre --size tiny`` trained the default 6-layer d=256 model, and
+    before 2026-12-02: ``--model=1 --placement pre --size tiny`` trained the default 6-layer d=256 model, and
     ``sweep --axis model=1,2`` trained two identical ones and reported 'the largest model that trained'."""
     (tmp_path / "m5.yaml").write_text("model: 5\n")
     common = ["--max-steps", "1", "--data.tokenizer=bytes", f"--data.source={corpus}",

@@ -174,7 +174,7 @@ def test_a_run_is_labelled_with_the_preset_it_was_built_from(size):
 
 @pytest.mark.parametrize("other", [["--seq-len", "8"], ["--batch-size", "3"]])
 def test_a_file_of_another_batch_shape_is_refused_not_silently_resumed(other, tmp_path, capsys):
-    """Before 2026-12-03 a resume with another --seq-len or --batch-size skipped every cell the file had,
+    """Before 2026-12-02 a resume with another --seq-len or --batch-size skipped every cell the file had,
     exit 0, so the file kept the old shape while the command line said the new one."""
     from hybridnorm.cli import main
 
@@ -198,7 +198,7 @@ def test_a_file_of_another_batch_shape_is_refused_not_silently_resumed(other, tm
 
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_debug_shows_the_traceback_before_or_after_the_command(where, tmp_path, capsys):
-    """As for every other command: before 2026-12-03 ``gradprofile --debug`` was an unknown argument and
+    """As for every other command: before 2026-12-02 ``gradprofile --debug`` was an unknown argument and
     ``hybridnorm --debug gradprofile`` still printed the one line."""
     from hybridnorm.cli import main
     from hybridnorm.errors import ConfigError

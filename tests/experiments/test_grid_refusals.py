@@ -121,7 +121,7 @@ def test_a_point_of_zero_steps_is_refused_before_any_run_trains(tmp_path, corpus
 
 @pytest.mark.parametrize("report_only", [False, True])
 def test_a_report_folder_of_another_grid_is_refused_and_kept(grid, tmp_path, corpus, cache_dir, capsys, report_only):
-    """Before 2026-12-03 ``compare --placements post`` into the folder of a ``pre`` grid (or a sweep's, with
+    """Before 2026-12-02 ``compare --placements post`` into the folder of a ``pre`` grid (or a sweep's, with
     its sweep_<knob> plots) trained post and replaced summary.md and runs.json with a report of post alone,
     the pre run left out and the other grid's plots left beside it."""
     import shutil

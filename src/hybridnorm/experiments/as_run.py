@@ -151,7 +151,7 @@ def config_changes(r: Logged) -> list[dict[str, Any]]:
     """The config changes the run trained with after a resume (its ``config_changed_on_resume`` events before
     its last train step: one at the last step changed nothing trained), each ``{"step", "fields", "values"}``,
     ``values`` ``{field: [before, after]}`` or None where the trainer logged the names only (before
-    2026-12-03)."""
+    2026-12-02)."""
     last = r.train[-1]["step"] if r.train else 0
     out = []
     for e in r.events:

@@ -84,7 +84,7 @@ def resume_events(changed: dict[str, list[Any]], extra: dict[str, Any], data_sha
     edited in place keeps ``data.source``, and may keep its size, mtime and token counts). Like a changed
     ``data.source`` it is allowed, and logged; a checkpoint from before the hash was kept has none."""
     events: list[dict[str, Any]] = []
-    if changed:  # "values": {field: [before, after]} (since 2026-12-03; "fields" alone before)
+    if changed:  # "values": {field: [before, after]} (since 2026-12-02; "fields" alone before)
         events.append({"event": "config_changed_on_resume", "fields": list(changed), "values": changed})
     recorded = extra.get("data_sha256")
     if isinstance(recorded, str) and recorded and data_sha256 and recorded != data_sha256:
