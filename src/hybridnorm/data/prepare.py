@@ -183,6 +183,9 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
             if ready.stats.bigram_entropy is None:  # a cache from before the bigram reference: added once
                 _add_bigram(ready)
             return ready
+        if not os.access(folder, os.W_OK):  # a read-only cache without this data: said here, not as EROFS mid-build
+            raise ConfigError(f"cache folder {folder} does not hold this data prepared and cannot be written "
+                              "(read-only): set data.cache_dir or $HYBRIDNORM_CACHE to a writable folder")
         times: dict[str, float] = {}
         t = time.perf_counter()
         if corpus is None:

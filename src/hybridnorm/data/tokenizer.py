@@ -342,7 +342,10 @@ def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
 
 @contextlib.contextmanager
 def file_lock(folder: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``folder/.lock`` (creating the folder); a no-op without fcntl."""
+    """An exclusive advisory lock on ``folder/.lock`` (creating the folder); a no-op without fcntl. A cache
+    that cannot be written (a read-only mount, a shared folder of another user's) is still read: its lock
+    file is locked through a read-only handle (flock asks no more), or where it cannot be made, not at all;
+    whoever cannot write there builds nothing and reads only what ``meta.json``, renamed in last, vouches for."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -353,7 +356,15 @@ def file_lock(folder: Path) -> Iterator[None]:
     except ImportError:  # Windows: atomic renames still keep every file whole
         yield
         return
-    with open(folder / ".lock", "w") as f:
+    try:
+        f = open(folder / ".lock", "a")  # closed by the with below, after the block
+    except OSError:
+        try:
+            f = open(folder / ".lock", "rb")
+        except OSError:  # no lock file and none can be made: a read-only folder nobody writes into
+            yield
+            return
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

@@ -1,0 +1,69 @@
+"""Run folders and data caches as researchers move and share them: a data cache on a read-only file system,
+read by ``train`` and ``eval``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from train_helpers import tiny_overrides
+
+from hybridnorm import cli
+
+
+def _eval(capsys, *args: str) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    rc = cli.main(["eval", *args])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return rc, (captured.out + captured.err).strip().splitlines()
+
+
+def _loss(lines: list[str]) -> str:
+    (found,) = [m.group(1) for line in lines if (m := re.search(r"val loss (\S+), perplexity", line))]
+    return found
+
+
+@contextlib.contextmanager
+def _read_only_copy(folder: Path, where: Path) -> Iterator[Path]:
+    """``folder`` copied onto a small tmpfs at ``where``, remounted read-only (root only): a real read-only
+    file system, where root too is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (no CAP_SYS_ADMIN?)")
+    try:
+        shutil.copytree(folder, where / folder.name)
+        subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+        yield where / folder.name
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_read_only_data_cache_is_read_by_train_and_eval(corpus, tmp_path, capsys, no_peak_measure):
+    cache = tmp_path / "cache"
+    assert cli.main(["train", *tiny_overrides(corpus, cache, tmp_path / "run"), "--max_steps=1"]) == 0
+    rc, lines = _eval(capsys, str(tmp_path / "run"))  # prepares eval's entry too (keyed by the run's tokenizer.json)
+    assert rc == 0
+    before = _loss(lines)
+    with _read_only_copy(cache, tmp_path / "ro") as ro:
+        assert cli.main(["train", *tiny_overrides(corpus, ro, tmp_path / "r1"), "--max_steps=1"]) == 0
+        rc, lines = _eval(capsys, str(tmp_path / "r1"))  # r1's data.cache_dir is the read-only one
+        assert rc == 0 and _loss(lines) == before  # the same run, trained and scored on the same tokens
+
+    (entry,) = [p.parent for p in cache.glob("*-bytes/meta.json")]
+    (entry / "meta.json").unlink()  # a preparation killed before its last file: nothing there is ready
+    with _read_only_copy(cache, tmp_path / "ro2") as ro:
+        capsys.readouterr()
+        assert cli.main(["train", *tiny_overrides(corpus, ro, tmp_path / "r2"), "--max_steps=1"]) == 2
+        err = capsys.readouterr().err
+        (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+        assert "Traceback" not in err and str(ro / entry.name) in line and "read-only" in line
+    assert not (tmp_path / "r2").exists()
