@@ -1,5 +1,6 @@
-"""Run folders and data caches as researchers move and share them: a data cache on a read-only file system,
-read by ``train`` and ``eval``."""
+"""Run folders and data caches as researchers move and share them: a run moved (or copied to another machine)
+where its ``data.source`` and its trainer's ``data.cache_dir`` are not, evaluated with ``hybridnorm eval``;
+a data cache on a read-only file system, read by ``train`` and ``eval``."""
 
 from __future__ import annotations
 
@@ -28,6 +29,36 @@ def _eval(capsys, *args: str) -> tuple[int, list[str]]:
 def _loss(lines: list[str]) -> str:
     (found,) = [m.group(1) for line in lines if (m := re.search(r"val loss (\S+), perplexity", line))]
     return found
+
+
+def test_eval_of_a_moved_run_whose_corpus_is_gone_reads_it_from_the_cache(corpus, tmp_path, capsys, monkeypatch,
+                                                                          no_peak_measure):
+    src, cache = Path(shutil.copytree(corpus, tmp_path / "data")), tmp_path / "trainer-cache"
+    assert cli.main(["train", *tiny_overrides(src, cache, tmp_path / "run"), "--max_steps=2"]) == 0
+    rc, lines = _eval(capsys, str(tmp_path / "run"))
+    assert rc == 0
+    before = _loss(lines)
+
+    moved = tmp_path / "elsewhere" / "moved"
+    shutil.move(tmp_path / "run", moved)
+    src.rename(tmp_path / "data-now")  # the recorded absolute data.source is stale
+    rc, lines = _eval(capsys, str(moved))
+    assert rc == 0 and _loss(lines) == before  # the same validation tokens, from the cache
+    (note,) = [line for line in lines if line.startswith("note:")]
+    assert f"data.source={src}" in note and str(cache) in note
+
+    # on another machine: neither the trainer's cache path nor the data is there; the machine's cache is used
+    shutil.rmtree(cache)
+    monkeypatch.setenv("HYBRIDNORM_CACHE", str(tmp_path / "machine-cache"))
+    rc, lines = _eval(capsys, str(moved))
+    (line,) = lines
+    assert rc == 2 and line.startswith("error: ") and f"data.source={src}" in line and "--data" in line
+    assert not cache.exists()  # the recorded cache path is not recreated
+    rc, lines = _eval(capsys, str(moved), "--data", str(tmp_path / "data-now"))
+    assert rc == 0 and _loss(lines) == before and not cache.exists()
+    assert (tmp_path / "machine-cache").is_dir()
+    rc, lines = _eval(capsys, str(moved))  # prepared there by --data: the run's corpus is found by content
+    assert rc == 0 and _loss(lines) == before
 
 
 @contextlib.contextmanager

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import torch
 
-from hybridnorm.data import PreparedData, prepare_data, val_batch_count, val_batches
-from hybridnorm.data.corpus import for_option
+from hybridnorm.data import PreparedData, prepare_data, resolve_cache_dir, val_batch_count, val_batches
+from hybridnorm.data.corpus import KJV_SOURCES, for_option
+from hybridnorm.data.prepare import find_prepared
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.model import lm_loss
+from hybridnorm.train.checkpoint.format import read_state
 from hybridnorm.train.distributed import Dist
 from hybridnorm.train.rank_share import gather_rows, share
 from hybridnorm.train.run import Run, check_exists, check_run_fits, is_hf_folder, open_run
@@ -57,13 +59,42 @@ def load_run(path: str | Path) -> Run:
 
 def validation_data(run: Run, source: str | None = None, text_field: str | None = None) -> PreparedData:
     """``source`` (default: the run's own corpus) prepared with the run's tokenizer (the shared token
-    cache), checked against the model's vocabulary: what :func:`evaluate_on` scores."""
+    cache), checked against the model's vocabulary: what :func:`evaluate_on` scores. The cache is the run's
+    ``data.cache_dir`` where that folder is here, else this machine's (``$HYBRIDNORM_CACHE``, else
+    ``~/.cache/hybridnorm``): a run copied from another machine does not recreate its trainer's cache path.
+    The run's own corpus whose ``data.source`` is not here (the run was moved or copied, or the path is
+    relative to another folder) is found in the cache by the content its checkpoint recorded."""
+    recorded_cache = run.config.data.cache_dir
+    cache_dir = recorded_cache if recorded_cache and Path(recorded_cache).expanduser().is_dir() else None
+    text_field = text_field or run.config.data.text_field
+    if source is None and (data := _moved_corpus(run, cache_dir, text_field)) is not None:
+        data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
+        return data
     try:
         data = prepare_data(source or run.config.data.source, tokenizer=str(run.tokenizer_file),
-                            cache_dir=run.config.data.cache_dir, text_field=text_field or run.config.data.text_field)
+                            cache_dir=cache_dir, text_field=text_field)
     except ConfigError as e:  # a corpus the user named with eval's --data, not a run's data.source
         raise (for_option(e, source, "--data") if source else e) from None
     data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
+    return data
+
+
+def _moved_corpus(run: Run, cache_dir: str | None, text_field: str) -> PreparedData | None:
+    """The run's own corpus from the cache when its local ``data.source`` is not there (None where it is, or
+    for ``kjv``/``hf:`` sources); a ConfigError saying what to pass where the cache holds no copy either."""
+    src = run.config.data.source
+    if src in KJV_SOURCES or src.startswith("hf:") or Path(src).exists():
+        return None
+    state = run.checkpoint / "state.json"
+    sha = read_state(run.checkpoint)["extra"].get("data_sha256") if state.is_file() else None
+    data = find_prepared(src, sha, run.tokenizer, cache_dir, text_field=text_field) if sha else None
+    where = (f"data.source={src}, the corpus {run.checkpoint} was trained on, is not here"
+             + ("" if Path(src).is_absolute() else f" (a relative path, read from the current folder {Path.cwd()})"))
+    if data is None:
+        raise ConfigError(f"{where}, and the data cache {resolve_cache_dir(cache_dir)} holds no prepared copy of it"
+                          + (f" (data sha256 {sha[:16]})" if sha else "")
+                          + ": pass --data PATH, the corpus where it lies now")
+    data.found_note = f"{where}: its validation split was read from the data cache {data.dir} (data sha256 {sha[:16]})"
     return data
 
 

@@ -113,9 +113,6 @@ def source_digest(source: str, val_fraction: float = 0.05, text_field: str = "te
     if files is None:
         return None
     root = Path(source) if source not in KJV_SOURCES and Path(source).is_dir() else None
-    # the KJV splits ignore val_fraction
-    split = {"kjv": "kjv-books", "kjv-bigval": "kjv-bigval-books"}.get(source, repr(val_fraction))
-    key = hashlib.sha256(f"hybridnorm-source-v{FORMAT_VERSION}-sha256\0{split}\0{text_field}\0{max_docs}".encode())
     records, stamps, lines = [], [], []
     for f in files:
         name = f.relative_to(root).as_posix() if root is not None else f.name
@@ -123,9 +120,22 @@ def source_digest(source: str, val_fraction: float = 0.05, text_field: str = "te
         records.append({"path": name, "bytes": stamp[0], "sha256": digest})
         stamps.append(stamp)
         lines.append(f"{digest}  {name}\n")
-        key.update(f"\0{name}\0{stamp[0]}\0{digest}".encode())
     sha = records[0]["sha256"] if root is None else hashlib.sha256("".join(lines).encode()).hexdigest()
-    return SourceDigest(key.hexdigest(), str(sha), tuple(records), tuple(files), tuple(stamps))
+    key = source_key(source, records, val_fraction, text_field, max_docs)
+    return SourceDigest(key, str(sha), tuple(records), tuple(files), tuple(stamps))
+
+
+def source_key(source: str, records: Iterable[dict[str, object]], val_fraction: float = 0.05,
+               text_field: str = "text", max_docs: int | None = None) -> str:
+    """:attr:`SourceDigest.key` of the files ``records`` describe (``{"path", "bytes", "sha256"}`` each, as a
+    cache's ``meta.json`` lists them) read from ``source`` with these split settings: computed from the records
+    alone, so a cache entry can be matched to a run's settings where its files are not."""
+    # the KJV splits ignore val_fraction
+    split = {"kjv": "kjv-books", "kjv-bigval": "kjv-bigval-books"}.get(source, repr(val_fraction))
+    key = hashlib.sha256(f"hybridnorm-source-v{FORMAT_VERSION}-sha256\0{split}\0{text_field}\0{max_docs}".encode())
+    for r in records:
+        key.update(f"\0{r['path']}\0{r['bytes']}\0{r['sha256']}".encode())
+    return key.hexdigest()
 
 
 def source_fingerprint(source: str, val_fraction: float = 0.05, text_field: str = "text",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hybridnorm import plain_data
-from hybridnorm.data.corpus import KJV_SOURCES, Corpus, SourceDigest, load_corpus, source_digest
+from hybridnorm.data.corpus import KJV_SOURCES, Corpus, SourceDigest, load_corpus, source_digest, source_key
 from hybridnorm.data.tokenizer import (
     KINDS,
     ByteTokenizer,
@@ -67,6 +67,8 @@ class PreparedData:
     data_sha256: str = ""
     # the validation share the hash split aims at (load_corpus's val_fraction); None: a KJV source's fixed books
     val_fraction: float | None = None
+    # said beside a loss on this data where it was not read from ``source`` (loading.validation_data)
+    found_note: str | None = None
 
     @property
     def train_path(self) -> Path:
@@ -220,6 +222,33 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
                 "vocab_size": tok.vocab_size, "corpus_meta": corpus.meta, "stats": asdict(prepared.stats)}
         atomic_write(folder / "meta.json", json.dumps(meta, indent=1))
         return prepared
+
+
+def find_prepared(source: str, data_sha256: str, tokenizer: Tokenizer, cache_dir: str | Path | None = None,
+                  val_fraction: float = 0.05, text_field: str = "text") -> PreparedData | None:
+    """The data of ``source`` as :func:`prepare_data` with ``tokenizer`` would give it, found in the cache by
+    content where ``source``'s files are not there to read (a run moved to another folder or machine): a ready
+    folder whose ``meta.json`` names ``data_sha256`` (what the run recorded it read), ``tokenizer``'s tokens
+    and the key its files and these split settings give. None where the cache holds none."""
+    try:
+        metas = sorted(resolve_cache_dir(cache_dir).glob("*/meta.json"))
+    except OSError:
+        return None
+    for file in metas:
+        try:
+            meta = plain_data.loads(file.read_bytes())
+            if (meta["data_sha256"] != data_sha256 or meta["tokenizer"] != tokenizer.fingerprint
+                    or meta["fingerprint"] != source_key(source, meta["data_files"], val_fraction, text_field)):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):  # not a cache entry of ours, or another's format
+            continue
+        # a tokenizer whose documents begin with its own start token: only an entry built with it (tok_key's -bos)
+        if tokenizer.start_id != tokenizer.eot_id and not file.parent.name.endswith("-bos"):
+            continue
+        if (ready := _load_ready(file.parent, source)) is not None:
+            ready.data_sha256, ready.val_fraction = data_sha256, val_fraction
+            return ready
+    return None
 
 
 def _add_bigram(prepared: PreparedData) -> None:

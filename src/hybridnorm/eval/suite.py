@@ -231,6 +231,9 @@ def _validation_loss(run: Run, req: EvalRequest, ranks: Dist) -> dict[str, Any]:
     out = {"checkpoint": str(run.checkpoint),
            "val": {"source": source, "loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens,
                    "unigram_entropy": unigram, "bigram_entropy": bigram}}
+    if data.found_note:  # the run's data.source is not here: which cache entry was scored
+        print(f"note: {data.found_note}")
+        out["val"]["found_note"] = data.found_note
     if note := data.split_note():  # a validation split far from its share, as train's log says it
         print(f"note: {note}")
         out["val"]["split_note"] = note
