@@ -81,7 +81,7 @@ def _read_only_copy(folder: Path, where: Path) -> Iterator[Path]:
 def test_a_read_only_data_cache_is_read_by_train_and_eval(corpus, tmp_path, capsys, no_peak_measure):
     cache = tmp_path / "cache"
     assert cli.main(["train", *tiny_overrides(corpus, cache, tmp_path / "run"), "--max_steps=1"]) == 0
-    rc, lines = _eval(capsys, str(tmp_path / "run"))  # prepares eval's entry too (keyed by the run's tokenizer.json)
+    rc, lines = _eval(capsys, str(tmp_path / "run"))  # reads the trainer's entry: the cache holds no other
     assert rc == 0
     before = _loss(lines)
     with _read_only_copy(cache, tmp_path / "ro") as ro:

@@ -4,7 +4,9 @@ A prepared dataset is a folder ``<cache_dir>/<source key>-<tokenizer key>/`` hol
 ``train.bin``, ``val.bin`` (with sidecars) and ``meta.json``, written last, as the commit marker. For local
 sources (the KJV included) the key comes from the files' content (a streamed sha256 of each, read once per
 call: ~0.17 s for 100 MB), so a warm call reads the data files once and, of the cache, nothing but
-``meta.json`` and the sidecars; ``hf:`` sources are loaded and hashed each time.
+``meta.json`` and the sidecars; ``hf:`` sources are loaded and hashed each time. A ``tokenizer.json`` path
+whose tokens an entry of another tokenizer spec already holds (eval's run tokenizer, its trainer's ``-bpeN``)
+reads that entry, matched by content and tokenizer fingerprint.
 """
 
 from __future__ import annotations
@@ -178,13 +180,18 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
         key, data_sha256 = digest.key, digest.sha256
     folder = resolve_cache_dir(cache_dir) / f"{key[:16]}-{tok_key}"
     split_fraction = None if source in KJV_SOURCES else val_fraction  # the KJV's split ignores it
+    # a tokenizer.json path (eval passes the run's) whose tokens an entry under another tokenizer spec already
+    # holds (the trainer's -bpeN / -bytes one): that entry, not a second tokenization and copy of the corpus.
+    # Only where this spec's own folder has none ready: existing entries keep being found under their keys
+    if user_tok is not None and not (folder / "meta.json").is_file():
+        for file in sorted(folder.parent.glob(f"{key[:16]}-*/meta.json")):
+            if (ready := _same_tokens(file, source, key, data_sha256, user_tok)) is not None:
+                with file_lock(ready.dir):  # meta.json, renamed in last, vouched for it; the lock: _add_bigram
+                    return _ready(ready, data_sha256, split_fraction)
     with file_lock(folder):
         ready = _load_ready(folder, source)
         if ready is not None:
-            ready.data_sha256, ready.val_fraction = data_sha256, split_fraction
-            if ready.stats.bigram_entropy is None:  # a cache from before the bigram reference: added once
-                _add_bigram(ready)
-            return ready
+            return _ready(ready, data_sha256, split_fraction)
         if not os.access(folder, os.W_OK):  # a read-only cache without this data: said here, not as EROFS mid-build
             raise ConfigError(f"cache folder {folder} does not hold this data prepared and cannot be written "
                               "(read-only): set data.cache_dir or $HYBRIDNORM_CACHE to a writable folder")
@@ -236,19 +243,39 @@ def find_prepared(source: str, data_sha256: str, tokenizer: Tokenizer, cache_dir
         return None
     for file in metas:
         try:
-            meta = plain_data.loads(file.read_bytes())
-            if (meta["data_sha256"] != data_sha256 or meta["tokenizer"] != tokenizer.fingerprint
-                    or meta["fingerprint"] != source_key(source, meta["data_files"], val_fraction, text_field)):
-                continue
+            key = source_key(source, plain_data.loads(file.read_bytes())["data_files"], val_fraction, text_field)
         except (OSError, ValueError, KeyError, TypeError):  # not a cache entry of ours, or another's format
             continue
-        # a tokenizer whose documents begin with its own start token: only an entry built with it (tok_key's -bos)
-        if tokenizer.start_id != tokenizer.eot_id and not file.parent.name.endswith("-bos"):
-            continue
-        if (ready := _load_ready(file.parent, source)) is not None:
+        if (ready := _same_tokens(file, source, key, data_sha256, tokenizer)) is not None:
             ready.data_sha256, ready.val_fraction = data_sha256, val_fraction
             return ready
     return None
+
+
+def _same_tokens(file: Path, source: str, key: str, data_sha256: str, tokenizer: Tokenizer) -> PreparedData | None:
+    """The ready entry whose ``meta.json`` is ``file`` if it holds the tokens :func:`prepare_data` of these
+    files (``key``: their content and the split settings; ``data_sha256``) with ``tokenizer`` would build, whatever
+    its folder's name says: the same tokenizer by fingerprint, which :func:`_load_ready` checks against the
+    ``tokenizer.json`` the folder holds and its token files' sidecars. Else None."""
+    try:
+        meta = plain_data.loads(file.read_bytes())
+        if (meta["data_sha256"] != data_sha256 or meta["tokenizer"] != tokenizer.fingerprint
+                or meta["fingerprint"] != key):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):  # not a cache entry of ours, or another's format
+        return None
+    # a tokenizer whose documents begin with its own start token: only an entry built with it (tok_key's -bos)
+    if tokenizer.start_id != tokenizer.eot_id and not file.parent.name.endswith("-bos"):
+        return None
+    return _load_ready(file.parent, source)
+
+
+def _ready(ready: PreparedData, data_sha256: str, split_fraction: float | None) -> PreparedData:
+    """A ready entry as :func:`prepare_data` returns it (the caller holds its folder's lock)."""
+    ready.data_sha256, ready.val_fraction = data_sha256, split_fraction
+    if ready.stats.bigram_entropy is None:  # a cache from before the bigram reference: added once
+        _add_bigram(ready)
+    return ready
 
 
 def _add_bigram(prepared: PreparedData) -> None:
