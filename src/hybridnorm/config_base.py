@@ -306,9 +306,11 @@ class Config:
     def check_key(cls, key: str, where: str) -> Any:
         """Refuse a dotted key (``optim.lr``) that is no field of this config, naming the valid fields of the
         section it goes wrong in; ``where`` names what the user typed (``option --optim.lrr``, ``--knob lrr``).
-        Returns the config section the key names (``model``), None for a plain value."""
+        Returns the config section the key names (``model``; ``model.moe``, a section or null), None for a
+        field that takes a plain value (``optim.lr``; ``model.placement``, a name or a spec)."""
         parts = key.replace("-", "_").split(".")
         section: Any = cls
+        tp: Any = None
         for i, part in enumerate(parts):
             here = ".".join(parts[:i]) or "train config"
             if section is None:
@@ -316,7 +318,9 @@ class Config:
             check_fields(f"{where}: {here}", {part: None}, section)
             tp = _hints(section)[part]
             section = _section_of(tp)
-        return section
+        plain = [a for a in typing.get_args(tp) if a is not type(None) and not dataclasses.is_dataclass(a)
+                 and a is not dict and typing.get_origin(a) is not dict]
+        return None if typing.get_origin(tp) in (typing.Union, types.UnionType) and plain else section
 
     @classmethod
     def apply_overrides(cls, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
