@@ -48,6 +48,11 @@ def test_a_run_resumed_by_hand_with_another_lr_is_named_and_kept_apart(make_cfg,
     groups = {g["placement"]: g for g in report["groups"]}
     assert groups["pre"]["label"].startswith("pre [resumed with optim.lr 0.002 → 0.05 from step 3")
     assert groups["post"]["diff_vs_baseline"] is None  # not paired with a run trained otherwise
+    # and its no-Δ line says why: the finished pre run is there, [bracketed] (it said no pre run had finished)
+    assert groups["post"]["no_diff_because"] == (
+        "the finished `pre` runs at its init axis value and knob values ran otherwise than it and are grouped "
+        f"apart (`{groups['pre']['label']}`)")
+    assert f"No Δ for `post`: {groups['post']['no_diff_because']}." in text
     post = next(r for r in report["runs"] if r["placement"] == "post")
     assert post["config_changes"] == []
 

@@ -82,7 +82,8 @@ def _group_stats(done: Sequence[RunRecord], baseline: str | None) -> list[dict[s
         diff = paired_difference(val, {r.seed: r.final_val_loss for r in base}) \
             if base and placement != baseline else None
         out.append({"placement": placement, "init": init, "knobs": dict(knobs), "label": group[0].label,
-                    "no_diff_because": _no_diff_because(placement, baseline, base, diff),
+                    "no_diff_because": _no_diff_because(placement, baseline, base, diff, [
+                        g[0].label for (p, i, k, _), g in by_group.items() if (p, i, k) == (baseline, init, knobs)]),
                     "inits_used": sorted({r.resolved_init for r in group}),
                     "verdicts": {v: sum(r.verdict.verdict == v for r in group) for v in verdict.VERDICTS},
                     "val_loss_by_seed": {str(s): (v if math.isfinite(v) else None) for s, v in sorted(val.items())},
@@ -101,10 +102,14 @@ def _diff_text(diff: PairedDiff | None, seeds: int) -> str:
 
 
 def _no_diff_because(placement: str, baseline: str | None, base: Sequence[RunRecord],
-                     diff: PairedDiff | None) -> str:
-    """Why a group other than the baseline has no Δ (empty when it has one, or is the baseline)."""
+                     diff: PairedDiff | None, apart: Sequence[str] = ()) -> str:
+    """Why a group other than the baseline has no Δ (empty when it has one, or is the baseline); ``apart``:
+    the labels of the baseline's groups at its init and knob values, which ran otherwise than it."""
     if placement == baseline or (diff is not None and diff.n > 0):
         return ""
+    if not base and apart:  # there are finished baseline runs here: [bracketed] ones, not paired with it
+        return (f"the finished `{baseline}` runs at its init axis value and knob values ran otherwise than it and "
+                f"are grouped apart ({', '.join(f'`{label}`' for label in apart)})")
     if not base:
         return f"no finished `{baseline}` run at its init axis value and knob values"
     return f"no seed with a finite final val loss in both it and `{baseline}`"
