@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import pytest
 from train_helpers import tiny_overrides
 
 from hybridnorm import cli
+from hybridnorm.data.tokenizer import file_lock
+from hybridnorm.errors import ConfigError
 
 
 def _eval(capsys, *args: str) -> tuple[int, list[str]]:
@@ -98,3 +101,40 @@ def test_a_read_only_data_cache_is_read_by_train_and_eval(corpus, tmp_path, caps
         (line,) = [line for line in err.splitlines() if line.startswith("error:")]
         assert "Traceback" not in err and str(ro / entry.name) in line and "read-only" in line
     assert not (tmp_path / "r2").exists()
+
+
+def test_a_lock_file_another_user_made_unreadable_is_no_way_around_the_lock():
+    """A shared cache entry (a folder every user may write) whose ``.lock`` another user made with umask 077: a
+    process that could not open it went on without any lock, and could build the entry while its maker held
+    the lock and built it too. One error naming the file now; a folder it cannot write stays read as it is."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as another user needs root")
+    with tempfile.TemporaryDirectory() as shared:  # in the system's temp folder: pytest's is root's alone
+        folder = Path(shared) / "entry"
+        folder.mkdir()
+        folder.parent.chmod(0o755)
+        folder.chmod(0o777)
+        (folder / ".lock").touch(mode=0o600)  # root's: unreadable by nobody
+        assert _nobody_takes_the_lock(folder) == 0
+        folder.chmod(0o755)  # nobody cannot write there: reads it as it is, unlocked (it builds nothing)
+        assert _nobody_takes_the_lock(folder) == 1
+
+
+def _nobody_takes_the_lock(folder: Path) -> int:
+    """What user nobody's file_lock on ``folder`` does while root holds it: 0 refused naming the lock file, 1
+    went on, 2 another error."""
+    with file_lock(folder):  # root building the entry
+        pid = os.fork()
+        if pid == 0:  # nobody, in the same shared cache
+            code = 3
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                with file_lock(folder):
+                    code = 1  # went on while root holds the lock
+            except ConfigError as e:
+                code = 0 if str(folder / ".lock") in str(e) and "two processes" in str(e) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)

@@ -342,10 +342,10 @@ def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
 
 @contextlib.contextmanager
 def file_lock(folder: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``folder/.lock`` (creating the folder); a no-op without fcntl. A cache
-    that cannot be written (a read-only mount, a shared folder of another user's) is still read: its lock
-    file is locked through a read-only handle (flock asks no more), or where it cannot be made, not at all;
-    whoever cannot write there builds nothing and reads only what ``meta.json``, renamed in last, vouches for."""
+    """An exclusive advisory lock on ``folder/.lock`` (creating the folder); a no-op without fcntl. A cache that
+    cannot be written (a read-only mount, another user's) is still read: its lock file is locked through a
+    read-only handle (flock asks no more), or where it cannot be opened, not at all where the folder cannot be
+    written (nothing is built there; ``meta.json``, renamed in last, vouches for what is read), else refused."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -361,8 +361,11 @@ def file_lock(folder: Path) -> Iterator[None]:
     except OSError:
         try:
             f = open(folder / ".lock", "rb")
-        except OSError:  # no lock file and none can be made: a read-only folder nobody writes into
-            yield
+        except OSError as e:
+            if os.access(folder, os.W_OK):  # this process may build here: never without the lock the others take
+                raise ConfigError(f"cannot open lock file {folder / '.lock'}: {e.strerror}; without it two processes "
+                                  "could build this entry at once: chmod a+r it, or set data.cache_dir") from None
+            yield  # a read-only folder, where this process builds nothing
             return
     with f:
         fcntl.flock(f, fcntl.LOCK_EX)
