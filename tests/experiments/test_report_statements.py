@@ -187,6 +187,13 @@ def test_a_delta_says_how_many_seeds_it_pairs_and_a_missing_one_says_why(tmp_pat
     post = groups["post optim.lr=0.001"]
     assert post["diff_vs_baseline"]["n"] == 2  # seeds 0 and 1: -0.1 and -0.09
     assert post["diff_text"].endswith(" (n=2 of 3 seeds)")
+    root = tmp_path / "one"  # the same grid without post's seed 1
+    one = write_report([_run(root, "pre", s, 5.0 + s / 10) for s in (0, 1, 2)]
+                       + [_run(root, "post", s, 4.9 + s / 10, diverged=s == 2) for s in (0, 2)], root)
+    groups = {g["label"]: g for g in json.loads((root / "runs.json").read_text())["groups"]}
+    # post's seeds 1 (left out) and 2 (diverged): one pair, which said "(n=1, no interval)" and not of how many
+    assert groups["post optim.lr=0.001"]["diff_text"] == "-0.1000 (n=1 of 2 seeds, no interval)"
+    assert "-0.1000 (n=1 of 2 seeds, no interval)" in one.read_text()
     assert f"| {post['diff_text']} |" in text
     assert ("No Δ for `post optim.lr=0.01`: no finished `pre` run at its init axis value and knob values."
             in text.splitlines())

@@ -98,6 +98,8 @@ def _diff_text(diff: PairedDiff | None, seeds: int) -> str:
     of either side that diverged or is missing is left out of the pairs)."""
     if diff is None or diff.n == 0:
         return ""
+    if diff.n == 1 < seeds:  # one pair: no interval, and still which share of the group it is
+        return f"{diff.mean:+.4f} (n=1 of {seeds} seeds, no interval)"
     return f"{diff} (n={diff.n} of {seeds} seeds)" if 1 < diff.n < seeds else str(diff)
 
 
