@@ -73,8 +73,10 @@ def test_a_knob_naming_a_config_section_is_refused_as_typed(tmp_path: Path, opti
 def test_the_placement_field_as_an_axis_points_to_placements_not_to_its_spec_fields(tmp_path: Path) -> None:
     """``model.placement`` takes a name (or a spec): the section refusal named it "a section of fields (name,
     block, ...)" and sent the user to ``model.placement.name``, where the grid's own rule says --placements."""
-    r = cli_in_process("sweep", "--placements", "pre", "--axis", "model.placement=pre,post", "--out",
-                       str(tmp_path / "s"), ok=False)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: --axis model.placement: use --placements / --init / --seeds / --out instead"]
-    assert not (tmp_path / "s").exists()
+    for option, typed in ((["--axis", "model.placement=pre,post"], "--axis model.placement"),
+                          (["--knob", "placement", "--values", "pre,post"], "--knob placement"),  # was "--axis ..."
+                          (["--knob", "seed", "--values", "1,2"], "--knob seed")):
+        r = cli_in_process("sweep", "--placements", "pre", *option, "--out", str(tmp_path / "s"), ok=False)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"error: {typed}: use --placements / --init / --seeds / --out instead"], r.stderr
+        assert not (tmp_path / "s").exists()

@@ -71,9 +71,16 @@ def knob_key(name: str) -> str:
     return KNOB_ALIASES.get(name, name)
 
 
+GRID_OPTION_FIELDS = ("model.placement", "model.init", "seed", "out_dir")  # --placements, --init, --seeds, --out
+
+
 def check_knob(option: str, name: str) -> None:
     """Refuse a knob that is no config field, naming it as typed (``--knob nope``, ``--axis nope``) with the
     valid fields and the short names; the override it becomes was named instead (``option --nope``)."""
+    # the grid's own options set these, point by point (also as train's option names: --placement, --init)
+    if knob_key(name) in GRID_OPTION_FIELDS or name.replace("-", "_") in ("placement", "placements", "init", "seeds",
+                                                                          "out"):
+        raise ConfigError(f"{option} {name}: use --placements / --init / --seeds / --out instead")
     try:
         section = TrainConfig.check_key(knob_key(name), f"{option} {name}")
     except ConfigError as e:
@@ -122,7 +129,7 @@ class Grid:
         for key, _ in self.axes:
             check_knob("--axis", key)
         keys = [knob_key(k) for k, _ in self.axes]
-        for bad in ("model.placement", "model.init", "seed", "out_dir"):
+        for bad in GRID_OPTION_FIELDS:  # an axis given to Grid directly, not through check_knob
             if bad in keys:
                 raise ConfigError(f"--axis {bad}: use --placements / --init / --seeds / --out instead")
         if len(set(keys)) != len(keys):
