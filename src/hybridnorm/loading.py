@@ -63,7 +63,9 @@ def validation_data(run: Run, source: str | None = None, text_field: str | None 
     ``data.cache_dir`` where that folder is here, else this machine's (``$HYBRIDNORM_CACHE``, else
     ``~/.cache/hybridnorm``): a run copied from another machine does not recreate its trainer's cache path.
     The run's own corpus whose ``data.source`` is not here (the run was moved or copied, or the path is
-    relative to another folder) is found in the cache by the content its checkpoint recorded."""
+    relative to another folder) is found in the cache by the content its checkpoint recorded; one that is here
+    but whose content is not what the checkpoint recorded (edited since, or a relative path that names other
+    files from this folder) is scored with ``changed_note`` saying so."""
     recorded_cache = run.config.data.cache_dir
     cache_dir = recorded_cache if recorded_cache and Path(recorded_cache).expanduser().is_dir() else None
     text_field = text_field or run.config.data.text_field
@@ -76,7 +78,35 @@ def validation_data(run: Run, source: str | None = None, text_field: str | None 
     except ConfigError as e:  # a corpus the user named with eval's --data, not a run's data.source
         raise (for_option(e, source, "--data") if source else e) from None
     data.check_vocab(run.config.model.vocab_size, f"model vocab_size of {run.checkpoint}")
+    if source is None:  # --data is the user's choice of corpus; the run's own must be what it trained on
+        data.changed_note = _changed_note(run, data)
     return data
+
+
+def _recorded_sha(run: Run) -> str | None:
+    """The sha256 of the data files the trainer recorded in the checkpoint (None: an HF folder, or a
+    checkpoint from before the trainer recorded it)."""
+    if not (run.checkpoint / "state.json").is_file():
+        return None
+    sha = read_state(run.checkpoint)["extra"].get("data_sha256")
+    return sha or None
+
+
+def _relative_note(src: str) -> str:
+    return "" if Path(src).is_absolute() else f" (a relative path, read from the current folder {Path.cwd()})"
+
+
+def _changed_note(run: Run, data: PreparedData) -> str | None:
+    """What to say beside a loss on the run's ``data.source`` whose files now hold other content than the
+    checkpoint recorded: the loss is not the run's validation loss. Not refused: scoring an edited corpus can be
+    meant. None where the content is the same, or either hash is unknown."""
+    recorded = _recorded_sha(run)
+    if not recorded or not data.data_sha256 or recorded == data.data_sha256:
+        return None
+    src = run.config.data.source
+    return (f"data.source={src}{_relative_note(src)} now holds other data (sha256 {data.data_sha256[:16]}) than "
+            f"{run.checkpoint} recorded it trained on (sha256 {recorded[:16]}): this loss is on other data than "
+            "the run's validation split (give --data to score a corpus on purpose)")
 
 
 def _moved_corpus(run: Run, cache_dir: str | None, text_field: str) -> PreparedData | None:
@@ -85,11 +115,9 @@ def _moved_corpus(run: Run, cache_dir: str | None, text_field: str) -> PreparedD
     src = run.config.data.source
     if src in KJV_SOURCES or src.startswith("hf:") or Path(src).exists():
         return None
-    state = run.checkpoint / "state.json"
-    sha = read_state(run.checkpoint)["extra"].get("data_sha256") if state.is_file() else None
+    sha = _recorded_sha(run)
     data = find_prepared(src, sha, run.tokenizer, cache_dir, text_field=text_field) if sha else None
-    where = (f"data.source={src}, the corpus {run.checkpoint} was trained on, is not here"
-             + ("" if Path(src).is_absolute() else f" (a relative path, read from the current folder {Path.cwd()})"))
+    where = f"data.source={src}, the corpus {run.checkpoint} was trained on, is not here{_relative_note(src)}"
     if data is None:
         raise ConfigError(f"{where}, and the data cache {resolve_cache_dir(cache_dir)} holds no prepared copy of it"
                           + (f" (data sha256 {sha[:16]})" if sha else "")

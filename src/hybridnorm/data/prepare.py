@@ -71,6 +71,9 @@ class PreparedData:
     val_fraction: float | None = None
     # said beside a loss on this data where it was not read from ``source`` (loading.validation_data)
     found_note: str | None = None
+    # said beside a loss on this data where its files are not those the run recorded it trained on
+    # (loading.validation_data: the sha256 differs)
+    changed_note: str | None = None
 
     @property
     def train_path(self) -> Path:

@@ -234,6 +234,9 @@ def _validation_loss(run: Run, req: EvalRequest, ranks: Dist) -> dict[str, Any]:
     if data.found_note:  # the run's data.source is not here: which cache entry was scored
         print(f"note: {data.found_note}")
         out["val"]["found_note"] = data.found_note
+    if data.changed_note:  # the run's data.source holds other files than it trained on: not its validation loss
+        print(f"note: {data.changed_note}")
+        out["val"]["changed_note"] = data.changed_note
     if note := data.split_note():  # a validation split far from its share, as train's log says it
         print(f"note: {note}")
         out["val"]["split_note"] = note
