@@ -151,16 +151,31 @@ def config_changes(r: Logged) -> list[dict[str, Any]]:
     """The config changes the run trained with after a resume (its ``config_changed_on_resume`` events before
     its last train step: one at the last step changed nothing trained), each ``{"step", "fields", "values"}``,
     ``values`` ``{field: [before, after]}`` or None where the trainer logged the names only (before
-    2026-12-02)."""
+    2026-12-02). A ``data.source`` changed to another path of the same files (the sessions before and after
+    the step record one sha256) is left out: the run read the same data (:func:`_same_data_at`)."""
     last = r.train[-1]["step"] if r.train else 0
     out = []
     for e in r.events:
         if e.get("event") == "config_changed_on_resume" and isinstance(e.get("step"), int) and e["step"] < last:
             fields = [str(f) for f in e.get("fields") or [] if isinstance(f, str)]
             values = e.get("values") if isinstance(e.get("values"), dict) else None
+            if "data.source" in fields and _same_data_at(r, e["step"]):
+                fields.remove("data.source")
+                values = {k: v for k, v in values.items() if k != "data.source"} if values is not None else None
             if fields:
                 out.append({"step": e["step"], "fields": fields, "values": values})
     return out
+
+
+def _same_data_at(r: Logged, step: int) -> bool:
+    """Whether the session(s) that resumed at ``step`` read the files the session before them did: one
+    recorded sha256, known in each (a session from before the hash was logged: not known to be the same)."""
+    ran = sessions(r)
+    resumed = [i for i, s in enumerate(ran) if s["from_step"] == step]
+    if not resumed or resumed[0] == 0:
+        return False
+    shas = {ran[i]["data_sha256"] for i in (resumed[0] - 1, *resumed)}
+    return len(shas) == 1 and None not in shas
 
 
 def describe_changes(changes: list[dict[str, Any]], skip: frozenset[str] | set[str] = frozenset()) -> str:
