@@ -5,6 +5,8 @@ a data cache on a read-only file system, read by ``train`` and ``eval``."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -62,6 +64,19 @@ def test_eval_of_a_moved_run_whose_corpus_is_gone_reads_it_from_the_cache(corpus
     assert (tmp_path / "machine-cache").is_dir()
     rc, lines = _eval(capsys, str(moved))  # prepared there by --data: the run's corpus is found by content
     assert rc == 0 and _loss(lines) == before
+
+    # a checkpoint from before data_sha256 was recorded: no cached copy can be found by content, and the error
+    # says so (it said "the data cache holds no prepared copy", though one is there)
+    (state,) = moved.glob("checkpoints/step_*/state.json")
+    body = json.loads(state.read_text())
+    del body["extra"]["data_sha256"]
+    state.write_text(json.dumps(body))
+    manifest = json.loads((state.parent / "manifest.json").read_text())  # its record of state.json, rewritten too
+    manifest["state.json"] = {"bytes": state.stat().st_size, "sha256": hashlib.sha256(state.read_bytes()).hexdigest()}
+    (state.parent / "manifest.json").write_text(json.dumps(manifest))
+    rc, lines = _eval(capsys, str(moved))
+    (line,) = lines
+    assert rc == 2 and "records no data sha256" in line and "holds no prepared copy" not in line and "--data" in line
 
 
 @contextlib.contextmanager
