@@ -128,10 +128,7 @@ class Grid:
             raise ConfigError("a grid needs at least one placement, one init and one seed")
         for key, _ in self.axes:
             check_knob("--axis", key)
-        keys = [knob_key(k) for k, _ in self.axes]
-        for bad in GRID_OPTION_FIELDS:  # an axis given to Grid directly, not through check_knob
-            if bad in keys:
-                raise ConfigError(f"--axis {bad}: use --placements / --init / --seeds / --out instead")
+        keys = [knob_key(k) for k, _ in self.axes]  # check_knob above refused the grid's own fields
         if len(set(keys)) != len(keys):
             raise ConfigError(f"the same knob appears twice among the axes: {', '.join(keys)}")
         if any(not values for _, values in self.axes):
