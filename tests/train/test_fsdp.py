@@ -112,6 +112,8 @@ def runs(corpus: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
     with pytest.MonkeyPatch.context() as mpatch:
         mpatch.setattr(trainer, "measured_peak_flops", lambda *a, **k: 1e12)
         out = {"single": single("single")}
+        # the MoE jobs' micro-batches (batch 2) in one process: 2 ranks x 2 micro-batches = 4 micro-batches here
+        single("moe_single", *MOE, "--batch_size=2", "--grad_accum=4")
         single("from_single", "--stop_after_steps=3")  # resumed by the 2-process job of that name
         jobs = _jobs(corpus, cache_dir, root)
         out["jobs"] = dict(zip(jobs, _spawn(list(jobs.values()), root / "reports"), strict=True))
@@ -204,11 +206,16 @@ def test_a_checkpoint_reshards_between_one_and_two_processes(runs, run):
 
 
 def test_tiny_moe_trains_under_fsdp_like_ddp(runs):
-    """Compared with DDP, not one process: each rank's load-balancing loss is computed on its own tokens (it is
-    not linear in the batch), in both DDP and FSDP, so neither equals one process on the whole batch."""
+    """The load-balancing loss is computed on each micro-batch's own tokens (it is not linear in the batch), in
+    DDP and FSDP alike, so neither equals one process on the whole batch in one micro-batch; both equal one
+    process that runs the same micro-batches (batch 2) one after another: the step's gradients and the logged
+    router losses, each the mean over the step's micro-batches. Before, each process logged its last
+    micro-batch's router losses, so one process logged 1 of 4 micro-batches where 2 ranks logged 2 of 4."""
     root = runs["root"]
     moe, ddp = read_metrics(root / "moe"), read_metrics(root / "moe_ddp")
-    _close(moe, ddp, ("loss", "grad_norm", "aux_loss", "lb_loss", "z_loss"))
+    keys = ("loss", "grad_norm", "aux_loss", "lb_loss", "z_loss")
+    _close(moe, ddp, keys)
+    _close(moe, read_metrics(root / "moe_single"), keys)
     assert len({r["loss"] for r in moe}) == STEPS
     assert runs["jobs"]["moe"][0]["val_loss"] == pytest.approx(runs["jobs"]["moe_ddp"][0]["val_loss"], rel=1e-5)
     assert (root / "moe" / "checkpoints" / f"step_{STEPS:06d}" / "model-r00001.safetensors").exists()

@@ -45,7 +45,7 @@ class StepGradients:
     """What one forward/backward over a step's micro-batches leaves besides the gradients."""
 
     loss: Tensor                              # () mean LM loss over the micro-batches (this rank)
-    aux: dict[str, Tensor]                    # MoE auxiliary losses of the last micro-batch ({} if dense)
+    aux: dict[str, Tensor]                    # () MoE auxiliary losses, mean over the micro-batches ({} if dense)
     micro_batches: list[tuple[Tensor, Tensor]]  # kept for the divergence report's re-run
 
 
@@ -60,7 +60,7 @@ def forward_backward(step_model: nn.Module, batches: Iterator[tuple[Tensor, Tens
     """Accumulate the gradients of ``cfg.grad_accum`` micro-batches of ``batches`` into ``.grad``."""
     loss_sum = torch.zeros((), device=device)
     micro_batches: list[tuple[Tensor, Tensor]] = []
-    aux: dict[str, Tensor] = {}
+    aux_sum: dict[str, Tensor] = {}
     for micro in range(cfg.grad_accum):
         x, y = (to_device(t, device) for t in next(batches))  # (B, T) each
         micro_batches.append((x, y))
@@ -71,7 +71,13 @@ def forward_backward(step_model: nn.Module, batches: Iterator[tuple[Tensor, Tens
             total = loss + aux["aux_loss"] if aux else loss
             (total / cfg.grad_accum).backward()
         loss_sum += loss.detach()
-    return StepGradients(loss_sum / cfg.grad_accum, aux, micro_batches)
+        for name, value in aux.items():
+            aux_sum[name] = aux_sum.get(name, 0.0) + value.detach()
+    # logged as the loss is, the step's mean: the last micro-batch's alone made the logged router losses depend on
+    # how the global batch is split (W processes logged the mean of W micro-batches, one process with W micro-batches
+    # its last one), though the step's gradients do not
+    return StepGradients(loss_sum / cfg.grad_accum, {k: v / cfg.grad_accum for k, v in aux_sum.items()},
+                         micro_batches)
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> Tensor:
