@@ -24,6 +24,10 @@ fp32; c as above; d model width, H/Hkv heads of size D, h FFN hidden size) per b
                                                                         q/k/v, SDPA out and W_O input, lse
            + Σ over the Q/K/V/C norms on  (r·w + 4·w/D)                 w = H·D (Q, C) or Hkv·D (K, V)
     ffn    c·d + 2·c·h + 2·c·h                                          w_in input, gate|up, silu·up twice
+    MoE    r·d + k·c·(4·h + 3·d) + 8·E + 28·k + 4                       router's fp32 input; per assignment
+           (E experts, top k, h per expert)                             its input row, gate|up, silu(gate),
+                                                                        silu·up, its output row twice;
+                                                                        logits, softmax, ids, sort, gates
 
 plus per token r·d + 4 + c·d + 8 (final norm, head input or its gradient, token ids), and the LM head +
 loss (V the padded vocabulary): the fused kernel of ``fast_kernels`` (what runs uncompiled, on every device) keeps
@@ -141,16 +145,27 @@ def layer_act_bytes(mc: ModelConfig, compute_bytes: int, layer: int = 0) -> int:
     """Activation bytes per token one block keeps for its backward (the formula of the module docstring)."""
     spec = mc.resolved_placement().blocks(mc.n_layers)[layer]
     c, d, H, Hkv, D, h = compute_bytes, mc.d_model, mc.n_heads, mc.kv_heads, mc.head_dim, mc.ffn_hidden_size
-    if mc.moe is not None:  # approximate: each token's top_k experts as one wide FFN, router buffers left out
-        h = mc.moe.top_k * (mc.moe.expert_hidden_size or h)
     slots = sum((s.in_norm, s.out_norm, s.post_norm).count(True) for s in (spec.attn, spec.ffn))
     norms = slots * (R * d + 4)
     attn = c * d + 2 * c * (H + 2 * Hkv) * D + 2 * c * H * D + 4 * H
     for letter, heads in (("Q", H), ("K", Hkv), ("V", Hkv), ("C", H)):
         if spec.norms(letter):
             attn += R * heads * D + 4 * heads
-    ffn = c * d + 4 * c * h
+    if mc.moe is None:
+        ffn = c * d + 4 * c * h
+    else:
+        ffn = moe_act_bytes(mc, compute_bytes)
     return norms + attn + ffn
+
+
+def moe_act_bytes(mc: ModelConfig, compute_bytes: int) -> int:
+    """Per token, what a block's MoE FFN (:class:`hybridnorm.nn.moe.MoEFFN`) keeps for its backward: the
+    router's fp32 input, and for each of the token's k assignments its input row, gate|up, silu(gate) and
+    silu·up, and its output row (twice: the scatter's and the gated sum's), plus the routing's own tensors."""
+    c, d, E, k = compute_bytes, mc.d_model, mc.moe.num_experts, mc.moe.top_k
+    h = mc.moe.expert_hidden_size or mc.ffn_hidden_size
+    routing = 2 * 4 * E + 4 + k * (8 + 2 * 8 + 4)  # logits, softmax, logsumexp; top-k ids, sort order x2, gates
+    return R * d + k * c * (4 * h + 3 * d) + routing
 
 
 def loss_kind(mc: ModelConfig, loss: str | None) -> str:
