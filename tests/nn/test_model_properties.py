@@ -217,3 +217,47 @@ def test_moe_cache(moe, name):
     _assert_incremental(model)
     prompt = _ids(2, 4, seed=6)
     assert torch.equal(model.generate(prompt, 5, temperature=0), _greedy_full(model, prompt, 5))
+
+
+@torch.no_grad()
+def _loop_router_losses(ffn_inputs: list[torch.Tensor], model: hn.TransformerLM, real: list[bool]) -> tuple:
+    """Layer means of E·Σ f_i P_i and of logsumexp², by a loop over the real tokens, from each layer's router
+    applied by hand to what its FFN received."""
+    E, k = model.config.moe.num_experts, model.config.moe.top_k
+    lbs, zs = [], []
+    for x, block in zip(ffn_inputs, model.blocks, strict=True):
+        logits = [x.reshape(-1, x.shape[-1])[n] @ block.ffn.router.weight.T for n in range(len(real)) if real[n]]
+        probs = [z.softmax(-1) for z in logits]
+        counts = [sum(int(e in p.topk(k).indices.tolist()) for p in probs) for e in range(E)]
+        lbs.append(E * sum(counts[e] / (len(probs) * k) * sum(p[e] for p in probs) / len(probs) for e in range(E)))
+        zs.append(sum(torch.logsumexp(z, -1) ** 2 for z in logits) / len(logits))
+    return sum(lbs) / len(lbs), sum(zs) / len(zs)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_moe_aux_of_a_padded_batch_counts_its_real_tokens(moe, checkpointing):
+    """model(ids, attention_mask=..., return_aux=True): the router losses of the real tokens, as the HF class
+    computes them. Before, padded positions were routed and counted, so what padding held moved the losses
+    the Python API returned (the HF class's differed for the same batch). Gradients still reach the router,
+    also through checkpointed blocks."""
+    model = _model("hybridnorm_star", size="tiny-moe", randomize=True).train()
+    model.activation_checkpointing = checkpointing
+    ids, mask = _ids(3, 10, seed=4), torch.ones(3, 10, dtype=torch.long)
+    for row, pad in enumerate((4, 0, 7)):
+        mask[row, :pad] = 0  # left padding
+    inputs: list[torch.Tensor] = []
+    hooks = [b.ffn.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for b in model.blocks]
+    _, aux = model(ids, attention_mask=mask, return_aux=True)
+    for h in hooks:
+        h.remove()
+    lb, z = _loop_router_losses(inputs[:len(model.blocks)], model, (mask.reshape(-1) == 1).tolist())
+    assert aux["lb_loss"].item() == pytest.approx(float(lb), rel=1e-5)
+    assert aux["z_loss"].item() == pytest.approx(float(z), rel=1e-5)
+    other = torch.where(mask == 0, (ids + 11) % 256, ids)
+    _, aux_other = model(other, attention_mask=mask, return_aux=True)
+    assert aux_other["aux_loss"].item() == pytest.approx(aux["aux_loss"].item(), abs=1e-6)
+    aux["aux_loss"].backward()
+    assert all(b.ffn.router.weight.grad.abs().max() > 0 for b in model.blocks)
+    assert all(b.ffn.record is None for b in model.blocks)  # nothing left recording
+    _, unpadded = model(ids, return_aux=True)  # without a mask, every token, as the training loop
+    assert torch.equal(unpadded["lb_loss"], model.aux_losses()["lb_loss"])

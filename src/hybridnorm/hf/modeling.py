@@ -46,7 +46,7 @@ from hybridnorm.hf.tied_head import TiedHead
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import head_std, trunc_normal
 from hybridnorm.nn.model import TransformerLM
-from hybridnorm.nn.moe import MoEFFN, mean_router_losses, router_losses
+from hybridnorm.nn.moe import MoEFFN, recorded_router_losses
 
 __all__ = ["MODEL_TYPE", "HybridNormConfig", "HybridNormForCausalLM", "HybridNormModel"]
 
@@ -219,22 +219,13 @@ class HybridNormPreTrainedModel(PreTrainedModel):
         """The MoE router losses of one forward from its ``router_logits`` (each (B*T, E)), counting only the
         real tokens of a 2-D padding ``attention_mask`` (B, S) (its last T columns; as Mixtral's
         ``load_balancing_loss_func`` does); without one, every token, which gives the training loop's numbers.
-        Returns ``lb_loss``, ``z_loss`` (layer means, unweighted) and ``aux_loss``, their weighted sum.
-
-        Recomputed here from the recorded logits rather than by handing the mask to the MoE layers: under
-        gradient checkpointing a layer's forward reruns in backward, after the mask would be gone, and must
-        save the same tensors as the first run. The softmax and top-k again are (B*T, E): small beside the
-        experts."""
-        moe = self.model.config.moe
+        Returns ``lb_loss``, ``z_loss`` (layer means, unweighted) and ``aux_loss``, their weighted sum
+        (:func:`hybridnorm.nn.moe.recorded_router_losses`, as ``TransformerLM(..., return_aux=True)``'s)."""
         weight = None
         if attention_mask is not None and attention_mask.dim() == 2:
             T = router_logits[0].shape[0] // attention_mask.shape[0]  # the new tokens: the mask's last T columns
             weight = attention_mask[:, attention_mask.shape[1] - T:].reshape(-1)  # (B*T,)
-        per_layer = []
-        for logits in router_logits:  # (B*T, E): the same softmax and top-k that routed the tokens
-            probs = logits.softmax(dim=-1)
-            per_layer.append(router_losses(logits, probs, probs.topk(moe.top_k, dim=-1).indices, weight))
-        return mean_router_losses(per_layer, moe)
+        return recorded_router_losses(list(router_logits), self.model.config.moe, weight)
 
 
 class HybridNormModel(HybridNormPreTrainedModel):

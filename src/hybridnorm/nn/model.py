@@ -19,7 +19,7 @@ from hybridnorm.nn import kernels
 from hybridnorm.nn.attention import KVCache, has_hooks
 from hybridnorm.nn.block import Block
 from hybridnorm.nn.init import init_weights
-from hybridnorm.nn.moe import mean_router_losses
+from hybridnorm.nn.moe import mean_router_losses, recorded_router_losses
 from hybridnorm.nn.norms import build_norm
 from hybridnorm.nn.rope import rope_tables
 from hybridnorm.nn.sampling import Sampling, check_sampling
@@ -108,7 +108,8 @@ class TransformerLM(nn.Module):
                 attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None,
                 targets: Tensor | None = None) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
-        """Logits (B, T, V) for token ids (B, T); with ``return_aux`` also the MoE losses.
+        """Logits (B, T, V) for token ids (B, T); with ``return_aux`` also the MoE losses (over the real tokens
+        of a padded batch).
 
         With ``targets`` (B, T) (``-100``: not scored) it returns :func:`lm_loss` of the logits against
         them instead, a 0-d fp32 tensor; the fast kernels compute it without the logits, on every device
@@ -137,10 +138,20 @@ class TransformerLM(nn.Module):
             cos, sin = cos[start:start + T], sin[start:start + T]  # (T, D/2)
         else:
             cos, sin = self.rope_at(position_ids.expand(B, T))  # (B, T, D/2)
-        x = self.trunk(self.embed(input_ids), cos, sin, cache, mask)  # (B, T, d)
+        # padded: the router losses count the real tokens only, from each layer's recorded logits (as the HF class)
+        record = [] if return_aux and mask is not None and self.is_moe else None
+        for b in self.blocks if record is not None else ():
+            b.ffn.record = record
+        try:
+            x = self.trunk(self.embed(input_ids), cos, sin, cache, mask)  # (B, T, d)
+        finally:
+            for b in self.blocks if record is not None else ():
+                b.ffn.record = None
         if cache is not None:
             cache.pos += T
         out = self.head(x) if targets is None else self._loss(x, targets)  # (B, T, V) logits, or the loss
+        if record is not None:  # (B*T,) weights: the mask's columns of the new tokens
+            return out, recorded_router_losses(record, self.config.moe, attention_mask[:, start:].reshape(-1))
         return (out, self.aux_losses()) if return_aux else out
 
     def trunk(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, mask: Tensor | None = None,

@@ -80,6 +80,19 @@ def mean_router_losses(per_layer: list[dict[str, Tensor]], cfg) -> dict[str, Ten
     return {"lb_loss": lb, "z_loss": z, "aux_loss": cfg.lb_loss_weight * lb + cfg.z_loss_weight * z}
 
 
+def recorded_router_losses(router_logits: list[Tensor], cfg, weight: Tensor | None = None) -> dict[str, Tensor]:
+    """:func:`mean_router_losses` from each layer's recorded router logits (N, E) fp32 (``MoEFFN.record``), with
+    the softmax and top-k that routed the tokens taken again, each token counted ``weight[n]`` times (a padding
+    mask (N,); None: every token once). Recomputed from the logits rather than handing the mask to the layers:
+    under activation checkpointing a layer reruns in backward, after the mask is gone, and must save what its
+    first run saved. The softmax and top-k again are (N, E): small beside the experts."""
+    per_layer = []
+    for logits in router_logits:
+        probs = logits.softmax(dim=-1)
+        per_layer.append(router_losses(logits, probs, probs.topk(cfg.top_k, dim=-1).indices, weight))
+    return mean_router_losses(per_layer, cfg)
+
+
 class Router(nn.Linear):
     """The router's linear layer z = x W_rᵀ, computed in fp32 whatever the weight's dtype (a model loaded in
     bf16): bf16 logits would flip near-tied top-k choices and blur the softmax that both the gate weights and
