@@ -170,3 +170,40 @@ def test_manifest_records_sizes_and_hashes(tmp_path):
     for name, entry in manifest.items():
         assert entry["bytes"] == (path / name).stat().st_size
         assert len(entry["sha256"]) == 64
+
+
+def test_the_loaded_optimizer_keeps_its_own_settings_and_the_checkpoints_state(tmp_path):
+    """A checkpoint of foreach AdamW (as an FSDP run on CPU writes) resumed where the step is deferred (host_sync
+    'log', the CUDA default: fused AdamW gated by found_inf). torch's load_state_dict takes the saved groups
+    whole, implementation flags included, so the next step ran foreach, which refuses found_inf
+    (AssertionError), and other betas / eps / weight decay were not applied. Oracle: torch's own AdamW given
+    the saved state with the new settings written into its groups by hand."""
+    from hybridnorm.train.host_sync import PendingSteps
+
+    model = _model()
+    old = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0), fused=False)
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(3))
+    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    old.step()
+    path = save_checkpoint(tmp_path / "ckpt", model, old, TrainState(step=1, tokens=32))
+    new_cfg = OptimConfig(lr=1e-2, warmup_steps=0, betas=(0.5, 0.6), eps=1e-3, weight_decay=0.7)
+
+    resumed, oracle = _model(seed=7), _model(seed=8)
+    opt = build_optimizer(resumed, new_cfg, fused=True)
+    PendingSteps(True).attach(opt, torch.device("cpu"))  # what the trainer does before loading
+    load_checkpoint(path, resumed, opt)
+    assert [(g["fused"], g["foreach"], g["betas"], g["eps"], g["weight_decay"]) for g in opt.param_groups] == [
+        (True, None, (0.5, 0.6), 1e-3, 0.7), (True, None, (0.5, 0.6), 1e-3, 0.0)]
+
+    oracle.load_state_dict(model.state_dict())
+    decayed = [p for n, p in oracle.named_parameters() if n != "embed.weight"]  # the order build_optimizer keeps
+    ref = torch.optim.AdamW([{"params": decayed}, {"params": [oracle.embed.weight]}], lr=1e-2, foreach=False)
+    saved = old.state_dict()
+    ref.load_state_dict(saved)
+    for group, wd in zip(ref.param_groups, (0.7, 0.0), strict=True):
+        group.update(betas=(0.5, 0.6), eps=1e-3, weight_decay=wd, foreach=False, fused=None)
+    for m, o in ((resumed, opt), (oracle, ref)):
+        lm_loss(m(x[:, :-1]), x[:, 1:]).backward()
+        o.step()
+    for (name, a), b in zip(resumed.named_parameters(), oracle.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

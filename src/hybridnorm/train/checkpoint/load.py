@@ -112,7 +112,7 @@ def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any
     """An ``opt.load_state_dict`` argument from ``ckpt``, refused unless its groups and tensor shapes and dtypes
     fit ``opt`` (torch would accept a misfit here and fail, or worse not fail, at the next step), its values are
     finite and its step counts possible. Each state tensor is read as its parameter's part (a ``DTensor`` shard
-    of it under FSDP)."""
+    of it under FSDP). The groups keep ``opt``'s own settings, all but the learning rate."""
     meta, (ranks, _) = body["optimizer"], _shards(body)
     f, sj = _file_label(ckpt, "optimizer", ranks), ckpt / "state.json"
     saved, live = meta["param_groups"], opt.param_groups
@@ -149,7 +149,13 @@ def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any
     for key, value in meta["scalars"].items():
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value
-    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in saved]
+    # the settings are this run's (its config's weight decay, betas and eps, the AdamW implementation it chose),
+    # the state the checkpoint's: torch's load_state_dict would take the saved groups whole, so a resume with
+    # --optim.weight_decay=... logged the change and trained on with the old value, and a foreach checkpoint
+    # resumed with host_sync=log stepped foreach, which refuses fused AdamW's found_inf. Only the learning rate
+    # is kept (the schedule's value at the checkpoint; the trainer sets its own before every step)
+    groups = [{**{k: v for k, v in lg.items() if k != "params"}, "lr": g.get("lr", lg["lr"]), "params": g["params"]}
+              for g, lg in zip(saved, live, strict=True)]
     return {"state": state, "param_groups": groups}
 
 
