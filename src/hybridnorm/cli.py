@@ -49,6 +49,7 @@ def _join_spaced_overrides(argv: list[str], own_options: set[str]) -> list[str]:
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    from hybridnorm.eval.perplexity import perplexity_of_nll
     from hybridnorm.train.distributed import leave
     from hybridnorm.train.preflight import check_output_folder
     from hybridnorm.train.trainer import train
@@ -67,7 +68,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         # NaN without divergence: no step trained by this command (a resume of a run already at max_steps)
         train_loss = f"{result.train_loss:.4f}" if math.isfinite(result.train_loss) else "- (no step to train)"
         print(f"final: step {result.step}, train loss {train_loss}, val loss {result.val_loss:.4f} "
-              f"(val ppl {math.exp(result.val_loss):.2f}); unigram entropy {result.unigram_entropy:.4f} nats"
+              f"(val ppl {perplexity_of_nll(result.val_loss):.2f}); unigram entropy {result.unigram_entropy:.4f} nats"
               + (f", bigram {result.bigram_entropy:.4f} nats" if result.bigram_entropy is not None else "")
               + f"; run folder {result.run_dir}")
     return 0

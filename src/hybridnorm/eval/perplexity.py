@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,17 @@ if TYPE_CHECKING:
     from hybridnorm.loading import Run
 
 
+# the largest x whose exp(x) is a finite float64 (math.exp raises OverflowError past it)
+_MAX_EXP = math.log(sys.float_info.max)
+
+
+def perplexity_of_nll(mean_nll: float) -> float:
+    """exp(mean negative log-likelihood): ``inf`` where that passes the largest float (a loss over ~709.78
+    nats, as a model trained at a far too large learning rate scores), where ``math.exp`` raised
+    ``OverflowError``; NaN stays NaN."""
+    return math.exp(mean_nll) if not mean_nll > _MAX_EXP else math.inf
+
+
 @dataclass(frozen=True)
 class PerplexityResult:
     source: str
@@ -48,7 +60,7 @@ class PerplexityResult:
 
     @property
     def token_perplexity(self) -> float:
-        return math.exp(-self.loglikelihood / self.n_tokens) if self.n_tokens else math.nan
+        return perplexity_of_nll(-self.loglikelihood / self.n_tokens) if self.n_tokens else math.nan
 
     @property
     def bits_per_byte(self) -> float:
@@ -56,11 +68,11 @@ class PerplexityResult:
 
     @property
     def byte_perplexity(self) -> float:
-        return math.exp(-self.loglikelihood / self.n_bytes) if self.n_bytes else math.nan
+        return perplexity_of_nll(-self.loglikelihood / self.n_bytes) if self.n_bytes else math.nan
 
     @property
     def word_perplexity(self) -> float:
-        return math.exp(-self.loglikelihood / self.n_words) if self.n_words else math.nan
+        return perplexity_of_nll(-self.loglikelihood / self.n_words) if self.n_words else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "n_docs": self.n_docs, "n_tokens": self.n_tokens, "n_bytes": self.n_bytes,

@@ -7,7 +7,6 @@ With them: zero-shot multiple choice, document perplexity and lm-eval tasks, in 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from hybridnorm.errors import ConfigError
 from hybridnorm.eval.auto_batch import MAX_BATCH, AutoBatch, BatchSize
 from hybridnorm.eval.limit import check_limit
 from hybridnorm.eval.lm_eval_checks import check_dtype
+from hybridnorm.eval.perplexity import perplexity_of_nll
 from hybridnorm.eval.report import mc_rows, perplexity_rows, print_results, write_json, write_samples
 from hybridnorm.loading import Run, evaluate_on, inference_device, load_run, validation_data
 from hybridnorm.train.distributed import Dist, current_dist, launched_world
@@ -225,11 +225,11 @@ def _validation_loss(run: Run, req: EvalRequest, ranks: Dist) -> dict[str, Any]:
     source = req.data or run.config.data.source
     # for scale, what two count-based models score on exactly those tokens
     unigram, bigram = scored_references(data.train_tokens(), data.val_tokens(), n_tokens, data.tokenizer.vocab_size)
-    print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {math.exp(loss):.2f} over {n_tokens:,} tokens "
+    print(f"{run.checkpoint}: val loss {loss:.4f}, perplexity {perplexity_of_nll(loss):.2f} over {n_tokens:,} tokens "
           f"of {source}; on those tokens a unigram model scores {unigram:.4f}, a Kneser-Ney bigram {bigram:.4f}"
           + (f" (weights in {req.dtype}, --dtype)" if req.dtype != "auto" else ""))
     out = {"checkpoint": str(run.checkpoint),
-           "val": {"source": source, "loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens,
+           "val": {"source": source, "loss": loss, "perplexity": perplexity_of_nll(loss), "tokens": n_tokens,
                    "unigram_entropy": unigram, "bigram_entropy": bigram}}
     if data.found_note:  # the run's data.source is not here: which cache entry was scored
         print(f"note: {data.found_note}")
