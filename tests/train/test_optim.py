@@ -117,3 +117,23 @@ def test_default_groups_follow_the_reference_config():
     no_decay = {id(p) for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
     assert id(model.embed.weight) in no_decay
     assert all(id(m.weight) not in no_decay for m in model.modules() if isinstance(m, Norm))
+
+
+def test_eps_zero_is_refused_because_adamw_then_divides_zero_by_zero(make_cfg, tmp_path):
+    """torch accepts eps=0, and then any element whose gradient has been exactly 0 (an untied embedding row of a
+    token not seen yet) gets m/(sqrt(v) + eps) = 0/0: NaN weights after the first step, which the run reported
+    as a non-finite embedding with no word of eps. Now refused before the first step, naming the field; a run
+    folder that records eps 0 still opens (its config is read, as eval and generate read it)."""
+    from hybridnorm.errors import ConfigError
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=1e-3, eps=0.0, foreach=False)
+    p.grad = torch.tensor([1.0, 0.0, -1.0])
+    opt.step()
+    assert torch.isnan(p[1]) and not torch.isnan(p[[0, 2]]).any()  # why: torch's own AdamW
+    cfg = make_cfg(tmp_path / "run", "--optim.eps=0", "--model.tie_embeddings=false", "--max_steps=2")
+    assert cfg.optim.eps == 0.0  # the config itself is readable
+    with pytest.raises(ConfigError, match=r"optim\.eps=0 must be > 0 \(default 1e-8\)"):
+        train(cfg, quiet=True)
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert build_optimizer(ModelConfig.from_preset("tiny").build(), OptimConfig(eps=1e-12)).defaults["eps"] == 1e-12

@@ -66,6 +66,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, fused: bool | None = 
     device-side ``found_inf`` flag, see ``hybridnorm.train.host_sync``); False = the foreach one; None = the
     fastest for the parameters (:func:`fused_supported`). Same math, other rounding (tests pin ~1e-7)."""
     cfg.validate()
+    if cfg.eps == 0:  # refused here, not by the field's bounds: a run folder that records it still opens for eval
+        raise ConfigError("optim.eps=0 must be > 0 (default 1e-8): AdamW's step m/(sqrt(v) + eps) is 0/0 = NaN for "
+                          "every element whose gradient has been 0 so far (an untied embedding row of a token not "
+                          "seen yet, an expert no token reached)")
     if fused is None:
         fused = fused_supported(model)
     impl = {"fused": True} if fused else {"foreach": True}
