@@ -8,6 +8,7 @@ of elements (seen: 18 of 16k, 1.5e-5 at lr 1e-2), hence the weights' absolute to
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -15,12 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from checkpoint_helpers import rewrite
 from train_helpers import read_metrics
 
 from hybridnorm.data import TokenBatches
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.nn.norms import Norm
 from hybridnorm.train.checkpoint import latest_checkpoint
+from hybridnorm.train.checkpoint.layout import CheckpointError
 from hybridnorm.train.checkpoint.load import load_weights
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.trainer import train
@@ -43,15 +46,7 @@ def plain_loop(cfg: TrainConfig, steps: int, change_at: int | None = None,
     o = cfg.optim
     torch.manual_seed(cfg.seed)
     model = TransformerLM(cfg.model)
-    norm_params = {id(p) for m in model.modules() if isinstance(m, Norm) for p in m.parameters()}
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if name == "embed.weight":
-            (decay if o.decay_embeddings else no_decay).append(p)
-        elif id(p) in norm_params:
-            (decay if o.decay_norms else no_decay).append(p)
-        else:
-            decay.append(p)
+    decay, no_decay = decay_groups(model, o.decay_norms, o.decay_embeddings)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=False)
@@ -60,8 +55,14 @@ def plain_loop(cfg: TrainConfig, steps: int, change_at: int | None = None,
     out = []
     for step in range(steps):
         if step == change_at:
+            changed = dict(changed or {})
+            if {"decay_norms", "decay_embeddings"} & set(changed):  # torch keeps a moved parameter's moments
+                moved = decay_groups(model, changed.pop("decay_norms", o.decay_norms),
+                                     changed.pop("decay_embeddings", o.decay_embeddings))
+                for group, params in zip(opt.param_groups, moved, strict=True):
+                    group["params"] = params
             for group in opt.param_groups:
-                group.update({k: v for k, v in (changed or {}).items() if k != "weight_decay"})
+                group.update({k: v for k, v in changed.items() if k != "weight_decay"})
             opt.param_groups[0]["weight_decay"] = (changed or {}).get("weight_decay", o.weight_decay)
         lr = hand_lr(step, o.lr, o.warmup_steps, cfg.max_steps, o.min_lr_ratio)
         for group in opt.param_groups:
@@ -77,6 +78,20 @@ def plain_loop(cfg: TrainConfig, steps: int, change_at: int | None = None,
         opt.zero_grad()
         out.append({"step": step + 1, "lr": lr, "loss": loss.item(), "grad_norm": norm.item()})
     return model, out
+
+
+def decay_groups(model: TransformerLM, decay_norms: bool, decay_embeddings: bool) -> tuple[list, list]:
+    """The decayed and the not-decayed parameters, by name, as the docs describe the two groups."""
+    norm_params = {id(p) for m in model.modules() if isinstance(m, Norm) for p in m.parameters()}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if name == "embed.weight":
+            (decay if decay_embeddings else no_decay).append(p)
+        elif id(p) in norm_params:
+            (decay if decay_norms else no_decay).append(p)
+        else:
+            decay.append(p)
+    return decay, no_decay
 
 
 def trained_weights(run: Path, cfg: TrainConfig) -> dict[str, torch.Tensor]:
@@ -145,3 +160,54 @@ def test_a_resume_trains_with_the_optimizer_settings_it_was_given(make_cfg, tmp_
     weights = trained_weights(run, cfg)
     for name, p in model.state_dict().items():
         torch.testing.assert_close(weights[name], p, rtol=0, atol=1e-4, msg=name)
+
+
+def test_a_resume_that_moves_parameters_between_decay_groups_keeps_their_moments(make_cfg, tmp_path):
+    """``--optim.decay_norms`` / ``--optim.decay_embeddings`` changed on resume move parameters from one group
+    to the other; their AdamW moments go with them (paired by the weight names the checkpoint records). Before,
+    the state was paired by position within each group and the resume was refused ("decay settings
+    changed?"), though the README lists optimizer settings among the changes a resume allows."""
+    run = tmp_path / "run"
+    base = (f"--max_steps={STEPS}", "--optim.warmup_steps=2", "--optim.lr=1e-2", "--optim.grad_clip=0",
+            "--optim.weight_decay=0.5")
+    train(make_cfg(run, *base, "--stop_after_steps=3"), quiet=True)
+    train(make_cfg(run, *base, "--optim.decay_norms=false", "--optim.decay_embeddings=true"),
+          resume=True, quiet=True)
+    event = next(e for e in read_metrics(run, "event") if e["event"] == "config_changed_on_resume")
+    assert set(event["fields"]) == {"optim.decay_norms", "optim.decay_embeddings"}
+    cfg = saved_config(run)
+    first = TrainConfig.from_dict({**cfg.to_dict(), "optim": {**cfg.optim.to_dict(), "decay_norms": True,
+                                                              "decay_embeddings": False}})
+    model, want = plain_loop(first, STEPS, change_at=3, changed={"decay_norms": False, "decay_embeddings": True})
+    got = read_metrics(run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert got[-1]["loss"] == pytest.approx(want[-1]["loss"], rel=1e-5)
+    weights = trained_weights(run, cfg)
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(weights[name], p, rtol=0, atol=1e-4, msg=name)
+    # the move matters here: the embedding, decayed from step 4 on, ends elsewhere than without the change
+    unchanged_model, _ = plain_loop(first, STEPS)
+    assert (unchanged_model.embed.weight - model.embed.weight).abs().max() > 1e-3
+
+
+def test_a_checkpoint_without_parameter_names_resumes_by_position_and_names_the_settings_it_cannot_move(
+        make_cfg, tmp_path):
+    """Checkpoints written before ``param_names`` was recorded pair their state by position: the same groups
+    resume as an uninterrupted run does; groups of other sizes are refused naming the two options that change
+    them."""
+    base = (f"--max_steps={STEPS}", "--optim.warmup_steps=2", "--optim.lr=1e-2")
+    whole = tmp_path / "whole"
+    train(make_cfg(whole, *base), quiet=True)
+    for resume_with, refused in (((), False), (("--optim.decay_embeddings=true",), True)):
+        run = tmp_path / f"run{int(refused)}"
+        train(make_cfg(run, *base, "--stop_after_steps=3"), quiet=True)
+        ckpt = latest_checkpoint(run / "checkpoints")
+        body = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+        del body["optimizer"]["param_names"]
+        rewrite(ckpt, "state.json", json.dumps(body).encode())  # as an older trainer wrote it
+        if refused:
+            with pytest.raises(CheckpointError, match=r"optim\.decay_norms or optim\.decay_embeddings changed"):
+                train(make_cfg(run, *base, *resume_with), resume=True, quiet=True)
+        else:
+            train(make_cfg(run, *base, *resume_with), resume=True, quiet=True)
+            assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(whole)]

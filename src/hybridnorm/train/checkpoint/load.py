@@ -108,7 +108,8 @@ def _check_dtype(ckpt: Path, t: ShardedTensor, key: str, want: tuple[str, ...]) 
                               f"but the optimizer state of this run is {' or '.join(want)}")
 
 
-def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any]) -> dict[str, Any]:
+def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any], model: nn.Module,
+                     ) -> dict[str, Any]:
     """An ``opt.load_state_dict`` argument from ``ckpt``, refused unless its groups and tensor shapes and dtypes
     fit ``opt`` (torch would accept a misfit here and fail, or worse not fail, at the next step), its values are
     finite and its step counts possible. Each state tensor is read as its parameter's part (a ``DTensor`` shard
@@ -116,13 +117,16 @@ def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any
     meta, (ranks, _) = body["optimizer"], _shards(body)
     f, sj = _file_label(ckpt, "optimizer", ranks), ckpt / "state.json"
     saved, live = meta["param_groups"], opt.param_groups
-    sizes = [len(g["params"]) for g in saved], [len(g["params"]) for g in live]
-    if sizes[0] != sizes[1]:
-        raise CheckpointError(f"checkpoint files {sj} and {f} do not fit this optimizer: parameter groups of "
-                              f"sizes {sizes[0]}, this model's are {sizes[1]} (decay settings changed?)")
-    # torch pairs saved parameter indices with live parameters by position, group by group
-    param_of = {i: p for g, lg in zip(saved, live, strict=True) for i, p in zip(g["params"], lg["params"],
-                                                                                 strict=True)}
+    param_of = _params_by_name(meta, opt, model)
+    if param_of is None:  # a checkpoint that records no names: its groups must fit position by position
+        sizes = [len(g["params"]) for g in saved], [len(g["params"]) for g in live]
+        if sizes[0] != sizes[1]:
+            raise CheckpointError(f"checkpoint files {sj} and {f} do not fit this optimizer: parameter groups of "
+                                  f"sizes {sizes[0]}, this model's are {sizes[1]} (optim.decay_norms or "
+                                  f"optim.decay_embeddings changed? this checkpoint records no parameter names "
+                                  f"to regroup its state by)")
+        param_of = {i: p for g, lg in zip(saved, live, strict=True) for i, p in zip(g["params"], lg["params"],
+                                                                                     strict=True)}
     state: dict[int, dict[str, Any]] = {}
     read: list[tuple[str, torch.Tensor]] = []  # this process's part of each tensor, checked before it is used
     with TensorReader(ckpt, "optimizer", ranks, meta.get("tensors")) as reader:
@@ -154,9 +158,31 @@ def _optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, body: dict[str, Any
     # --optim.weight_decay=... logged the change and trained on with the old value, and a foreach checkpoint
     # resumed with host_sync=log stepped foreach, which refuses fused AdamW's found_inf. Only the learning rate
     # is kept (the schedule's value at the checkpoint; the trainer sets its own before every step)
-    groups = [{**{k: v for k, v in lg.items() if k != "params"}, "lr": g.get("lr", lg["lr"]), "params": g["params"]}
-              for g, lg in zip(saved, live, strict=True)]
+    # torch pairs the groups' index lists with the live groups' parameters by position: each live parameter is
+    # listed under the saved index of its state, so a parameter that changed group (optim.decay_norms or
+    # optim.decay_embeddings changed on resume) keeps its moments
+    index_of = {id(p): i for i, p in param_of.items()}
+    lr = saved[0].get("lr")  # one schedule for every group
+    groups = [{**{k: v for k, v in lg.items() if k != "params"}, "lr": lg["lr"] if lr is None else lr,
+               "params": [index_of[id(p)] for p in lg["params"]]} for lg in live]
     return {"state": state, "param_groups": groups}
+
+
+def _params_by_name(meta: dict[str, Any], opt: torch.optim.Optimizer, model: nn.Module,
+                    ) -> dict[int, torch.Tensor] | None:
+    """Each saved parameter index's live parameter, paired by the weight names the checkpoint records; None
+    where it records none (older checkpoints) or its names are not exactly the optimizer's parameters."""
+    names = meta.get("param_names")
+    saved_ids = [i for g in meta["param_groups"] for i in g["params"]]
+    if not names or sorted(names) != sorted(str(i) for i in saved_ids):
+        return None
+    by_name = dict(model.named_parameters())
+    live = {id(p) for g in opt.param_groups for p in g["params"]}
+    param_of = {i: by_name.get(names[str(i)]) for i in saved_ids}
+    if any(p is None or id(p) not in live for p in param_of.values()) or \
+            len({id(p) for p in param_of.values()}) != len(live):
+        return None
+    return param_of
 
 
 def _rng_states(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -190,7 +216,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     ckpt = Path(path)
     body = check_checkpoint(ckpt)
     weights = _weights_for(ckpt, model, body)
-    opt_state = _optimizer_state(ckpt, optimizer, body) if optimizer is not None else None
+    opt_state = _optimizer_state(ckpt, optimizer, body, model) if optimizer is not None else None
     rng = _rng_states(ckpt)
     model.load_state_dict(weights)
     if optimizer is not None:
