@@ -127,6 +127,17 @@ def test_lossless_forms_in_a_python_built_spec_equal_the_canonical_ones():
     assert Placement.from_dict(loose.to_dict()) == exact
 
 
+def test_a_python_built_spec_with_its_attention_letters_in_another_order_or_case_is_the_grammars():
+    """The letters are a set (the model asks ``norms(letter)``): 'vkq' built the grammar's QKV-Post model but was
+    another spec, unequal, hashed apart and written MHA_VKQ, so a resume with it was refused as another model."""
+    ffn = SublayerSpec(in_norm=True, skip="normed")
+    mine = Placement("mine", BlockSpec(attn=SublayerSpec(), ffn=ffn, qkv_norm="vkq")).validate()
+    assert mine.block == placements.get("QKV-Post").block and hash(mine.block) == hash(placements.get("QKV-Post").block)
+    assert placements.one_line(mine).startswith("Y = X + MHA_QKV(X)")
+    assert Placement.from_dict({"name": "x", "block": {"qkv_norm": "ck"}}).block.qkv_norm == "KC"
+    assert Placement.from_dict(mine.to_dict()) == mine
+
+
 def test_register_rejects_duplicates():
     with pytest.raises(ConfigError, match="already registered"):
         placements.register(Placement("pre", BlockSpec()))

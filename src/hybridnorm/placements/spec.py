@@ -82,6 +82,10 @@ class BlockSpec:
         letters = self.qkv_norm.upper()
         if any(c not in QKVC for c in letters) or len(set(letters)) != len(letters):
             raise ConfigError(f"{where}.qkv_norm={self.qkv_norm!r} must be distinct letters from 'QKVC'")
+        # one spelling per set of letters, as the grammar writes it ('kq' -> 'QK'): the letters are a set (the
+        # model asks `norms(letter)`), so a spec built or written with them in another order or case is the same
+        # spec, equal, hashed, rendered and recorded alike, not another placement
+        object.__setattr__(self, "qkv_norm", "".join(c for c in QKVC if c in letters))
         _choice(f"{where}.qkv_norm_scope", self.qkv_norm_scope, SCOPES)
         _choice(f"{where}.qkv_norm_order", self.qkv_norm_order, ORDERS)
         if isinstance(self.residual_scale, str):
