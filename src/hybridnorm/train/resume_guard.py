@@ -14,7 +14,11 @@ written before those copies existed:
   new vocab size too), and a damaged recorded ``tokenizer.json`` is one error naming it;
 * the model's architecture must be the same: every ``model`` field but the ones that do not change the
   function a checkpoint computes (:data:`FREE_MODEL_FIELDS`); otherwise one error listing each field with
-  its recorded and requested value;
+  its recorded and requested value. ``model.placement`` is compared as the placement it builds, not as the
+  text that names it: another spelling of it (``HybridNorm``, ``QKV-Post`` or the alias ``hybrid`` for
+  ``hybridnorm``; a spec of one's own written with its defaults spelt out, or its Q/K letters as ``KQ``) is
+  no change at all, and its name, description or default init (a resume draws no fresh weights) may change
+  and are logged; a placement that computes anything else is refused naming the spec fields that differ;
 * every other field may change (more steps, a new learning rate; new data with the run's tokenizer for a
   model imported with ``hybridnorm import``, whose checkpoint holds no data position — a trained run's
   data position is checked against its data by the checkpoint loader): :func:`check_resume` returns those
@@ -26,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hybridnorm.config import ModelConfig
 from hybridnorm.config_base import config_differences, flatten_config
 from hybridnorm.data.tokenizer import Tokenizer, load_tokenizer
 from hybridnorm.errors import ConfigError
@@ -65,17 +70,55 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Pa
     recorded_cfg = checked_run_file(ckpt, "config.yaml")
     if not recorded_cfg.is_file():
         return {}
-    recorded, requested = TrainConfig.load(recorded_cfg).to_dict(), cfg.to_dict()
+    recorded_config = TrainConfig.load(recorded_cfg)
+    recorded, requested = recorded_config.to_dict(), cfg.to_dict()
     changed = [k for k in config_differences(recorded, requested) if k not in RUN_CONTROL_FIELDS]
+    spec_change = _placement_change(recorded_config.model, cfg.model) if "model.placement" in changed else None
+    if spec_change == "":  # another spelling of the run's own placement
+        changed.remove("model.placement")
     fixed = [k for k in changed if k.startswith("model.") and k not in FREE_MODEL_FIELDS
-             and not k.startswith(FREE_MODEL_SECTIONS)]
+             and not k.startswith(FREE_MODEL_SECTIONS) and (k != "model.placement" or spec_change)]
     before, after = flatten_config(recorded), flatten_config(requested)
     if fixed:
-        what = ", ".join(f"{k}: {_show(before.get(k))} -> {_show(after.get(k))}" for k in fixed)
+        what = ", ".join(f"{k}: {_show(before.get(k))} -> {_show(after.get(k))}" if k != "model.placement" else
+                         f"{k}: {_show_placement(recorded_config.model)} -> {_show_placement(cfg.model)}, which "
+                         f"computes otherwise: {spec_change}" for k in fixed)
         raise ConfigError(f"cannot resume {run_dir} as a different model ({what}; recorded in "
                           f"{recorded_cfg}): resume with the run's own model settings, or train the new "
                           "model in another --out")
     return {k: [before.get(k), after.get(k)] for k in changed}
+
+
+# what a placement is besides the function it computes: names, its description, and the init it draws fresh
+# weights with by default (as model.init, free: a resumed run draws none)
+_NOT_COMPUTED = ("name", "summary", "source", "init")
+
+
+def _placement_change(recorded: ModelConfig, requested: ModelConfig) -> str | None:
+    """How the requested placement computes otherwise than the recorded one: its spec fields that differ
+    (``block.qkv_norm: 'QK' -> 'QKV'``); ``None`` when only what it is called, described as, or drawn with
+    differs (a change allowed and logged), ``""`` when both resolve to one spec (another spelling: no change).
+    The spellings are compared as specs, as the model is built from them: ``HybridNorm``, ``hybrid`` and
+    ``QKV-Post`` all build ``hybridnorm``, so resuming with one of them is resuming the same model."""
+    a, b = recorded.resolved_placement().to_dict(), requested.resolved_placement().to_dict()
+    if a == b:
+        return ""
+    differences = _spec_differences({k: v for k, v in a.items() if k not in _NOT_COMPUTED},
+                                    {k: v for k, v in b.items() if k not in _NOT_COMPUTED})
+    return ", ".join(differences) or None
+
+
+def _spec_differences(a: Any, b: Any, where: str = "") -> list[str]:
+    """``field: before -> after`` for each leaf of two placement dicts that differs (of two lists of overrides
+    of different lengths, their lengths)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in dict.fromkeys([*a, *b])
+                for d in _spec_differences(a.get(k), b.get(k), f"{where}.{k}" if where else k)]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} -> {len(b)} entries"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _spec_differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {_show(a)} -> {_show(b)}"]
 
 
 def resume_events(changed: dict[str, list[Any]], extra: dict[str, Any], data_sha256: str) -> list[dict[str, Any]]:
@@ -91,6 +134,12 @@ def resume_events(changed: dict[str, list[Any]], extra: dict[str, Any], data_sha
         events.append({"event": "data_changed_on_resume", "recorded_data_sha256": recorded,
                        "data_sha256": data_sha256})
     return events
+
+
+def _show_placement(model: ModelConfig) -> str:
+    """A placement as the config gives it: its name, or for a spec written out, the spec's name."""
+    raw = model.placement
+    return repr(raw) if isinstance(raw, str) else f"the spec named {model.resolved_placement().name!r}"
 
 
 def _show(value: Any) -> str:
