@@ -232,3 +232,18 @@ def test_a_value_where_a_section_goes_is_refused_not_replaced_by_defaults(tmp_pa
                                                     "--size", "tiny", *common]}[case]
     assert_refused(argv, capsys, needles, tmp_path)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("file_text", ["model: {placement: pre}\n", "seq_len: 512\nmodel: {placement: pre}\n"])
+def test_a_mistyped_option_beside_a_config_file_and_a_size_is_named_not_the_file(tmp_path: Path, capsys, corpus: Path,
+                                                                                 file_text: str) -> None:
+    """``train FILE --size tiny --seq_len=32 --checkpoint_interval=2`` said ``config file FILE: seq_len=256 exceeds
+    model.max_seq_len=128``: the file (with the preset, but without the options) was checked to see whose fault
+    the error was, failed on a seq_len the options set, and its error replaced the typo's."""
+    (tmp_path / "c.yaml").write_text(file_text)
+    argv = ["train", str(tmp_path / "c.yaml"), "--size", "tiny", "--seq_len=32", "--checkpoint_interval=2",
+            "--max-steps", "1", "--data.tokenizer=bytes", f"--data.source={corpus}", "--out", str(tmp_path / "out")]
+    line = assert_refused(argv, capsys, ["option --checkpoint_interval", "unknown field 'checkpoint_interval'",
+                                         "ckpt_interval"], tmp_path)
+    assert "config file" not in line and "seq_len" not in line.split("valid fields")[0]
+    assert not (tmp_path / "out").exists()

@@ -284,7 +284,12 @@ class Config:
     def from_data(cls: type[C], data: dict[str, Any], overrides: list[str] | None = None,
                   source: str | Path | None = None) -> C:
         """``data`` (read from the file ``source``) with the overrides applied. An error names the file
-        when the fault lies in it, i.e. when the file's own data is invalid too."""
+        when the fault lies in it, i.e. when the file's own data is invalid too; an option naming no field is
+        the option's fault whatever the file holds (a typo used to be reported as the file's own error)."""
+        for item in overrides or []:
+            key, sep, _ = item.lstrip("-").partition("=")
+            if sep:
+                cls.check_key(key, f"option --{key}")
         try:
             return cls.from_dict(cls.apply_overrides(data, overrides or []))
         except ConfigError:

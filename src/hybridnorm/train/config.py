@@ -179,8 +179,9 @@ class TrainConfig(Config):
             preset.pop("vocab_size")
             model = data.get("model") if isinstance(data.get("model"), dict) else _default_model().to_dict()
             data["model"] = {**model, "moe": None, **preset}
-            if "seq_len" not in user_keys and "seq_len" not in data:
-                data["seq_len"] = min(cls.seq_len, preset["max_seq_len"])  # the default may exceed a small preset's
+            if "seq_len" not in data:  # the default may exceed a small preset's; set even where an option gives
+                # one: the file and preset alone are checked when the options fail, and must not fail on it instead
+                data["seq_len"] = min(cls.seq_len, preset["max_seq_len"])
         return cls.from_data(data, overrides, source=path)
 
 
