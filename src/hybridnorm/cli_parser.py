@@ -26,7 +26,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
                                    "--model.n_layers=8 --precision=fp32.")
     t.add_argument("config", nargs="?", help="YAML train config (optional)")
     t.add_argument("--size", help="model size preset (tiny, small, 151m, 550m, ...)")
-    t.add_argument("--placement", help="placement preset or grammar name (see `hybridnorm placements`)")
+    t.add_argument("--placement", help="placement preset or grammar name (see `hybridnorm placements`), or a spec "
+                                       "of your own as a YAML mapping ('{name: mine, block: {qkv_norm: QK}}')")
     t.add_argument("--max-steps", type=int)
     t.add_argument("--out", help="run folder (default runs/default)")
     t.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
@@ -184,7 +185,8 @@ def build_parser(commands: Mapping[str, Callable[[argparse.Namespace, list[str]]
     m.add_argument("--micro-batch", type=int, help="sequences per GPU (default: the largest that fits under FSDP)")
     m.add_argument("--global-batch-tokens", type=int, default=4 * 2**20, help="target tokens per step")
     m.add_argument("--precision", default="bf16", help="bf16 (autocast) or fp32")
-    m.add_argument("--placement", default="hybridnorm_star")
+    m.add_argument("--placement", default="hybridnorm_star",
+                   help="placement preset or grammar name, or a spec of your own as a YAML mapping, as train takes it")
     m.add_argument("--loss", default="compiled",
                    help="LM head + loss: compiled (the trainer's on a GPU under --compile=true), fast (the fused "
                         "kernel, uncompiled) or plain (fast_kernels=false)")

@@ -281,3 +281,26 @@ def test_plan_prints_every_large_integer_with_thousands_separators(capsys, argv:
     for line in _plan_out(capsys, *argv):
         prose = re.sub(r"(--micro-batch |--batch_size=)\d+", "", line)
         assert not re.search(r"(?<![\d.,])\d{4,}(?![\d.])", prose), line
+
+
+def test_a_placement_of_ones_own_is_planned_as_train_takes_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan --placement`` took a name only, so a placement of one's own (``train --placement '{...}'``) could
+    not be planned: 'placement '{name: mine, ...}' is not a preset'. Its norm slots are activations kept."""
+    common = ["plan", "--size", "small", "--gpus", "1", "--gpu-mem", "8", "--seq-len", "256"]
+    pre = hn.placements.get("pre").to_dict()
+    as_pre = "{name: mine, block: {attn: {in_norm: true}, ffn: {in_norm: true}}}"
+    sandwich = "{name: mine2, block: {attn: {in_norm: true, out_norm: true}, ffn: {in_norm: true, out_norm: true}}}"
+    tables = {}
+    for label, placement in (("pre", "pre"), ("mine", as_pre), ("mine2", sandwich)):
+        assert cli.main([*common, "--placement", placement]) == 0
+        first, *rest = capsys.readouterr().out.splitlines()
+        assert first.startswith(f"small {label}: ")  # named, not its text
+        tables[label] = rest
+    assert tables["mine"] == tables["pre"]  # pre's spec under another name: the same plan
+    mc = hn.ModelConfig.from_preset("small", placement={**pre, "name": "mine2", "block": {
+        "attn": {"in_norm": True, "out_norm": True}, "ffn": {"in_norm": True, "out_norm": True}}})
+    pre_mc = hn.ModelConfig.from_preset("small", placement="pre")
+    assert activation_bytes(mc, 1024, "bf16", False)[0] > activation_bytes(pre_mc, 1024, "bf16", False)[0]
+    assert tables["mine2"] != tables["pre"]
+    assert cli.main([*common, "--placement", "{name: bad, block: {qkv_norm: QX}}"]) == 2
+    assert "placement[bad].block.qkv_norm='QX' must be distinct letters" in capsys.readouterr().err

@@ -53,6 +53,7 @@ import torch
 
 from hybridnorm.config import ModelConfig
 from hybridnorm.config_base import Config, bounded
+from hybridnorm.config_text import parse_text
 from hybridnorm.errors import ConfigError
 from hybridnorm.nn.kernels.loss import CE_CHUNK_ELEMENTS_GPU
 
@@ -128,7 +129,19 @@ def model_config(opts: PlanOptions) -> ModelConfig:
     if opts.seq_len > preset["max_seq_len"]:
         raise ConfigError(f"--seq-len={opts.seq_len} exceeds the {opts.size} preset's max_seq_len="
                           f"{preset['max_seq_len']}")
-    return ModelConfig.from_preset(opts.size, placement=opts.placement, fast_kernels=opts.loss != "plain")
+    return ModelConfig.from_preset(opts.size, placement=placement_value(opts.placement),
+                                   fast_kernels=opts.loss != "plain")
+
+
+def placement_value(text: str) -> str | dict:
+    """``--placement`` as ``train --placement`` reads it: a name, or a spec of one's own as a YAML mapping
+    (``{name: mine, block: {qkv_norm: QK}}``). A name alone used to be all the planner took, so a placement
+    of one's own could not be planned at all (its norm slots change the activations kept per token)."""
+    try:
+        value = parse_text(text, "yaml")
+    except ConfigError:  # not YAML: a name, which the registry refuses if it is none
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def meta_model(mc: ModelConfig) -> torch.nn.Module:
@@ -337,7 +350,9 @@ def format_plan(pl: Plan) -> str:
     o = pl.options
     fits = [f"{m.mode.upper()}{' with checkpointing' if ck else ''}" for ck in (False, True) for m in pl.modes
             if pl.micro_batch <= (m.max_micro_batch_ckpt if ck else m.max_micro_batch)]
-    lines = [f"{o.size} {o.placement}: {pl.n_params:,} parameters, {_gpus(o.gpus)} x {o.gpu_mem:g} GiB "
+    spec = placement_value(o.placement)
+    name = spec if isinstance(spec, str) else spec["name"]  # a spec of one's own by its name, not its text
+    lines = [f"{o.size} {name}: {pl.n_params:,} parameters, {_gpus(o.gpus)} x {o.gpu_mem:g} GiB "
              f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len:,}, {o.precision}, "
              f"{'fused' if o.loss == 'fast' else o.loss} LM head + loss",
              f"micro-batch {pl.micro_batch:,} x grad_accum {pl.grad_accum:,} x {_gpus(o.gpus)} = {pl.global_tokens:,} "
