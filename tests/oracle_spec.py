@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from oracle import BlockCtx, Weights, norm
 from torch import Tensor
 
@@ -32,6 +33,29 @@ class ScaledCtx(BlockCtx):
 
     def _norm(self, prefix: str, z: Tensor) -> Tensor:
         return super()._norm(prefix, z) * self.scale
+
+    def F(self, u: Tensor) -> Tensor:
+        """The FFN: SwiGLU, or under ``cfg.moe`` a dropless top-k MoE of SwiGLU experts, token by token."""
+        return super().F(u) if self.cfg.moe is None else moe_ffn(self, u)
+
+
+def moe_ffn(b: BlockCtx, u: Tensor) -> Tensor:
+    """p = softmax(u W_r^T); the k largest p_e (renormalized if ``normalize_topk``) weight expert e's SwiGLU,
+    ``w_in[e]`` holding [gate | up] columns and ``w_out[e]`` the down projection (nn/moe.py's docstring)."""
+    moe, prefix = b.cfg.moe, f"blocks.{b.i}.ffn"
+    router, w_in, w_out = b.W(f"{prefix}.router.weight"), b.W(f"{prefix}.w_in"), b.W(f"{prefix}.w_out")
+    h = w_out.shape[1]
+    rows = []
+    for x in u.reshape(-1, u.shape[-1]):
+        p = (router @ x).softmax(0)
+        top = sorted(range(moe.num_experts), key=lambda e: -p[e].item())[:moe.top_k]
+        total = sum(p[e] for e in top) if moe.normalize_topk else 1.0
+        y = x.new_zeros(x.shape)
+        for e in top:
+            gate, up = x @ w_in[e, :, :h], x @ w_in[e, :, h:]
+            y = y + p[e] / total * ((gate * gate.sigmoid() * up) @ w_out[e])
+        rows.append(y)
+    return torch.stack(rows).reshape(u.shape)
 
 
 def block_of(placement: Mapping[str, Any], index: int, n_layers: int) -> Mapping[str, Any]:
