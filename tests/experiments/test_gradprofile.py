@@ -68,9 +68,18 @@ def test_the_second_measure_leaves_the_first_two_blocks_out(tmp_path):
     assert figure2.imbalance(profiles[3], skip=2) == pytest.approx(-math.log10(0.95))
 
 
+TINY = ["--sizes", "tiny", "--inits", "megatron", "--batch-size", "1", "--seq-len", "16"]
+
+
 @pytest.mark.parametrize("args, names", [
     (["--sizes", "551m"], ["551m"]),
     (["--placements", "pre,prenorm"], ["prenorm"]),
+    # one model under two names, or one name twice, was measured and drawn as two placements (tiny: what the
+    # old code measured instead of refusing, quickly)
+    (["--placements", "pre,Pre-Pre", *TINY], ["--placements lists 'pre' and 'Pre-Pre', two names of one placement"]),
+    (["--placements", "hybridnorm,pre_ln,QKV-Post", *TINY], ["'hybridnorm' and 'QKV-Post'"]),
+    (["--placements", "pre,pre", *TINY], ["--placements lists 'pre' twice"]),
+    (["--seeds", "0,1,0", "--placements", "pre", *TINY], ["--seeds lists 0 twice"]),
     (["--inits", "gaussian"], ["gaussian"]),
     (["--seeds", "0,x"], ["--seeds"]),
 ])

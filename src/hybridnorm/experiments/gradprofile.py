@@ -33,6 +33,7 @@ from hybridnorm import plain_data
 from hybridnorm.data.tokenizer import atomic_write
 from hybridnorm.diagnostics.groups import group_params
 from hybridnorm.errors import ConfigError, OneLineArgumentParser, one_line
+from hybridnorm.experiments.grid_checks import check_placement_spellings, no_repeats
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.config import TrainConfig
 from hybridnorm.train.preflight import check_output_file
@@ -124,6 +125,11 @@ def run(out: Path, sizes: Sequence[str], placements: Sequence[str], inits: Seque
         for placement in placements:
             for init in inits:
                 config_of(size, placement, init, 0, batch_size, seq_len, overrides)
+    # as compare and sweep: one model under two names (pre, Pre-Pre, pre_ln) was measured once per name and
+    # drawn as so many placements; a name listed twice, measured twice, counted twice in the plot's mean
+    for option, values in (("--sizes", sizes), ("--placements", placements), ("--inits", inits), ("--seeds", seeds)):
+        no_repeats(option, values)
+    check_placement_spellings(placements)
     done = {key_of(p["size"], p["placement"], p["init"], p["seed"]) for p in found["profiles"]}
     for seed in seeds:
         for size in sizes:
