@@ -262,6 +262,23 @@ def test_a_placement_beside_the_dict_that_names_another_is_refused_not_ignored(t
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.placement == "hybridnorm_star"
 
 
+@pytest.mark.parametrize(("dict_placement", "named"), [
+    ("Pre-Pre", "pre"), ("Pre-Pre", "pre_ln"), ("pre", "Pre-Pre"),
+    ({"name": "mine", "block": {"attn": {"in_norm": True}, "ffn": {"in_norm": True}}}, "Pre-Norm"),
+])
+def test_a_placement_beside_the_dict_that_names_its_spec_in_other_words_is_the_same_model(
+        tmp_path: Path, dict_placement, named: str) -> None:
+    """The grammar's ``Pre-Pre`` and the preset ``pre`` build one spec but describe it differently (summary,
+    source), as does a spec of one's own with Pre-Norm's blocks: ``placement='pre'`` beside such a dict was
+    refused as 'not the model's placement' though the weights were made for exactly it."""
+    from transformers import AutoModelForCausalLM
+
+    HybridNormForCausalLM(config(hybridnorm={"placement": dict_placement})).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, placement=named)
+    have = loaded.config.model_config().resolved_placement()
+    assert (have.block, have.overrides) == (hn.placements.get("pre").block, ())
+
+
 @pytest.mark.parametrize("norm", ["rms", "layer", "dyt"])
 def test_loading_in_bf16_generates_for_every_norm_kind(tmp_path: Path, norm: str) -> None:
     """``from_pretrained(..., dtype=torch.bfloat16)`` (and transformers' ``test_eager_matches_sdpa_inference``)

@@ -269,7 +269,11 @@ def _check_placement_name(name: Any, mc: ModelConfig) -> None:
         asked = placements.get(name) if isinstance(name, str) else None
     except ConfigError as e:
         raise ConfigError(f"placement={name!r}: {e}") from None
-    if asked is None or {**asked.to_dict(), "name": have.name} != have.to_dict():
+    # what it is called and described as is no part of the model: 'pre' names the grammar's 'Pre-Pre' (another
+    # summary and source) and a spec of one's own with Pre-Norm's blocks and init; it was refused as another model
+    described = ("name", "summary", "source")
+    if asked is None or {k: v for k, v in asked.to_dict().items() if k not in described} != \
+            {k: v for k, v in have.to_dict().items() if k not in described}:
         raise ConfigError(f"placement={name!r} is not the model's placement: hybridnorm.placement ({have.name!r}) "
                           "is, and the weights were made for it; edit that (a model of another placement), or "
                           "drop placement")
