@@ -47,7 +47,7 @@ class MetricsLogger:
                 # does for metrics.jsonl; purge_step=start_step also dropped the checkpoint step's own points
                 self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
             except ImportError:
-                self.console.print("[yellow]tensorboard is not installed: metrics go to metrics.jsonl only")
+                self.console.print("tensorboard is not installed: metrics go to metrics.jsonl only", style="yellow")
         self.live = self.console.is_terminal
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
@@ -82,9 +82,11 @@ class MetricsLogger:
         return (f"step {step}  loss {m['loss']:.4f}  gnorm {m['grad_norm']:.3f}  lr {m['lr']:.2e}  "
                 f"tok/s {m['tokens_per_s']:,.0f}  MFU {100 * m['mfu']:.1f}%")
 
-    def message(self, text: str) -> None:
+    def message(self, text: str, style: str | None = None) -> None:
+        """Print ``text`` as it is: paths and values may hold brackets (``runs/[ablation]``, a ``[/x]`` folder),
+        which rich markup would eat or refuse with a MarkupError; ``style`` colours the whole line."""
         if self.enabled:
-            self.console.print(text, highlight=False)
+            self.console.print(text, style=style, highlight=False, markup=False)
 
     def close(self) -> None:
         if not self.enabled:

@@ -391,9 +391,9 @@ def _report_divergence(run_dir: Path, report: dict, d: Dist, log: MetricsLogger,
     """Write ``divergence.json`` (see :func:`hybridnorm.diagnostics.divergence_report`) and say so."""
     if d.is_main:
         (run_dir / "divergence.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    log.message(f"[red]non-finite {what} at step {report['step']} (loss {report['loss']}, grad norm "
+    log.message(f"non-finite {what} at step {report['step']} (loss {report['loss']}, grad norm "
                 f"{report['grad_norm']}, first non-finite: {report['first_nonfinite']}, found by "
                 f"{report['first_nonfinite_from']}); stopped "
                 f"{'without stepping' if what == 'loss or gradient' else 'without saving that state'} — the last "
                 "checkpoint is intact. "
-                f"Report: {run_dir / 'divergence.json'}")
+                f"Report: {run_dir / 'divergence.json'}", style="red")
