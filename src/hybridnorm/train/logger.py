@@ -1,7 +1,7 @@
 """Where metrics go: ``metrics.jsonl`` and TensorBoard events in the run folder, and a `rich` display.
 
-Only rank 0 logs. On a terminal the display is a live progress bar with the latest step, loss, grad
-norm, LR, tokens/s, MFU and ETA; elsewhere (CI, a log file) it prints one line per log interval.
+Only rank 0 logs. On a terminal (not TERM=dumb) the display is a live progress bar with the latest step, loss, grad
+norm, LR, tokens/s, MFU and ETA; elsewhere (CI, a log file, a dumb terminal) it prints one line per log interval.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ class MetricsLogger:
                 self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
             except ImportError:
                 self.console.print("tensorboard is not installed: metrics go to metrics.jsonl only", style="yellow")
-        self.live = self.console.is_terminal
+        # a dumb terminal (TERM=dumb: Emacs' shell, some CI) cannot redraw a bar: rich would show it only once,
+        # at the end, so such a terminal gets the line per log interval that a file gets
+        self.live = self.console.is_terminal and not self.console.is_dumb_terminal
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
             TimeRemainingColumn(), console=self.console, disable=not self.live)
