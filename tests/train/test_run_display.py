@@ -4,18 +4,70 @@ read with TensorBoard's own ``EventAccumulator`` and compared, scalar by scalar,
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import pty
 import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 from train_helpers import tiny_overrides
 
 from hybridnorm import cli
 from hybridnorm.train.checkpoint import latest_checkpoint
+from hybridnorm.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def tensorboard_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series TensorBoard shows for the run (its reader applies the purges of a restart)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"), size_guidance={"scalars": 0})  # 0: keep every point
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def jsonl_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """The same series from metrics.jsonl: ``<kind>/<key>`` for each finite number, as float32 as TB keeps it."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        for key, value in rec.items():
+            if key not in ("kind", "step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
+                out.setdefault(f"{rec['kind']}/{key}", []).append((rec["step"], float(np.float32(value))))
+    return out
+
+
+def test_tensorboard_shows_one_history_after_a_run_starts_over(make_cfg, tmp_path):
+    """A run killed before its first checkpoint starts over at step 0 and sets its old metrics.jsonl aside; its
+    TensorBoard view must be that one history too. The old run's step-0 points (its meta record) stayed beside
+    the new ones: two `meta/params` points at step 0, and a config changed between the two starts showed both."""
+    run = tmp_path / "run"
+    train(make_cfg(run, "--max_steps=2", "--model.d_model=48"))
+    shutil.rmtree(run / "checkpoints")  # as if killed before its first save
+    train(make_cfg(run, "--max_steps=3"))
+    assert (run / "metrics.stale.jsonl").is_file()
+    want, got = jsonl_scalars(run), tensorboard_scalars(run)
+    assert got["meta/params"] == want["meta/params"] and len(want["meta/params"]) == 1
+    assert got == want
+
+
+def test_tensorboard_equals_the_log_after_a_resume_past_a_lost_tail(make_cfg, tmp_path):
+    """A run resumed from an older checkpoint than its log's end (a kill after the save): each step once, the
+    checkpoint step's own points kept, every value TensorBoard shows the log's."""
+    run = tmp_path / "run"
+    train(make_cfg(run, "--max_steps=4", "--ckpt_interval=2", "--eval_interval=2", "--diagnostics.every=2"))
+    shutil.rmtree(run / "checkpoints" / "step_000004")  # the log runs to step 4, the newest checkpoint is step 2
+    train(make_cfg(run, "--max_steps=5", "--ckpt_interval=2", "--eval_interval=2", "--diagnostics.every=2"),
+          resume=True)
+    want, got = jsonl_scalars(run), tensorboard_scalars(run)
+    assert [s for s, _ in want["train/loss"]] == [1, 2, 3, 4, 5]
+    assert [s for s, _ in want["meta/params"]] == [0, 2]
+    assert got == want
 
 
 def test_paths_with_brackets_are_printed_as_they_are(corpus, cache_dir, tmp_path, capsys, no_peak_measure):

@@ -44,8 +44,10 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 # purge what a killed run logged PAST its checkpoint (step start_step + 1 on), as _purge_after
-                # does for metrics.jsonl; purge_step=start_step also dropped the checkpoint step's own points
-                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
+                # does for metrics.jsonl; purge_step=start_step also dropped the checkpoint step's own points.
+                # A run starting over purges from step 0: its metrics.jsonl was set aside, and the old run's
+                # step-0 points (its meta record) stayed beside the new ones in TensorBoard
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else 0)
             except ImportError:
                 self.console.print("tensorboard is not installed: metrics go to metrics.jsonl only", style="yellow")
         # a dumb terminal (TERM=dumb: Emacs' shell, some CI) cannot redraw a bar: rich would show it only once,
