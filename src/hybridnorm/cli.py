@@ -14,7 +14,7 @@ import warnings
 
 from hybridnorm.cli_parser import build_parser
 from hybridnorm.config_text import parse_text
-from hybridnorm.errors import CollectiveError, ConfigError, one_line
+from hybridnorm.errors import CollectiveError, ConfigError, escape_unencodable_output, one_line
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 1, 2, 3, 130
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a Unix tool that SIGPIPE ended (`... | head`)
@@ -217,6 +217,7 @@ COMMANDS = {"train": _train, "compare": _experiment, "sweep": _experiment, "gene
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
+    escape_unencodable_output()  # a non-UTF-8 locale's stdout: an escape for what it lacks, not a crash
     from hybridnorm.train.stop import process_signals, stop_requested  # stdlib only: before torch is imported
 
     # every command: SIGTERM as well as Ctrl-C unwinds (a half-written export or import folder, an eval's

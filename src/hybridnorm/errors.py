@@ -2,7 +2,9 @@
 one line. Also the argument parser of every command, whose usage errors are such an exception."""
 
 import argparse
+import codecs
 import re
+import sys
 import typing
 
 ERROR_CHARS = 1000  # an error line's length at most: a path of 100k characters is not printed whole
@@ -63,3 +65,36 @@ class OneLineArgumentParser(argparse.ArgumentParser):
                 self.error(f"{'/'.join(action.option_strings) or action.dest} is empty (an unset shell variable?); "
                            f"give it a value{' or leave it out' if optional else ''}")
         return parsed, extra
+
+
+_ESCAPE = "hybridnorm.escape"  # the error handler's name (codecs' registry is by name)
+
+
+def _escape_unencodable(err: UnicodeError) -> tuple[str | bytes, int]:
+    """Python's ``surrogateescape`` for the bytes of an undecodable file name (printed back as they were), its
+    ``backslashreplace`` for any other character the output's encoding lacks (``‖∇‖`` to an ASCII terminal)."""
+    if not isinstance(err, UnicodeEncodeError):
+        raise err
+    bad = err.object[err.start:err.end]
+    if all(0xDC80 <= ord(c) <= 0xDCFF for c in bad):
+        return codecs.lookup_error("surrogateescape")(err)
+    return codecs.lookup_error("backslashreplace")(err)
+
+
+def escape_unencodable_output() -> None:
+    """Make stdout write what its encoding cannot hold as ``\\u2016``-style escapes, as stderr always does,
+    instead of failing: under a non-UTF-8 locale (``LC_ALL=C`` with ``PYTHONUTF8=0``, a Latin-1 one) a print
+    of an equation or ``‖∇‖`` raised UnicodeEncodeError, which ended ``hybridnorm placements`` with an
+    ``error:`` line and ``gradprofile`` with a traceback. A UTF-8 stdout, or one replaced by a caller, is
+    left alone."""
+    stream = sys.stdout
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        utf = codecs.lookup(encoding).name.startswith("utf")
+    except LookupError:
+        return
+    if utf or getattr(stream, "errors", None) not in ("strict", "surrogateescape") \
+            or not hasattr(stream, "reconfigure"):
+        return
+    codecs.register_error(_ESCAPE, _escape_unencodable)  # idempotent: the same handler under one name
+    stream.reconfigure(errors=_ESCAPE)

@@ -4,11 +4,13 @@ read with TensorBoard's own ``EventAccumulator`` and compared, scalar by scalar,
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import pty
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -114,3 +116,30 @@ def test_a_dumb_terminal_gets_a_line_per_log_interval(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         assert f"step {step}  loss {5.0 + step:.4f}" in shown, shown
     assert "\x1b" not in shown  # nothing a dumb terminal would print as garbage
+
+
+def test_placements_on_a_stdout_that_is_not_utf8():
+    """Python's C locale without its UTF-8 mode gives an ASCII stdout: the equations' subscripts raised
+    UnicodeEncodeError, printed as an ``error:`` line after half the list. Now they come out escaped."""
+    env = {**os.environ, "LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "PYTHONPATH": str(ROOT / "src")}
+    env.pop("PYTHONIOENCODING", None)
+    done = subprocess.run([sys.executable, "-m", "hybridnorm.cli", "placements"], env=env, capture_output=True,
+                          timeout=300)
+    assert done.returncode == 0 and b"error" not in done.stderr, done.stderr
+    assert "X\\u2081 = N(Embed(tokens))" in done.stdout.decode("ascii")  # embed_norm's X₁
+
+
+def test_gradprofile_progress_line_on_a_latin1_stdout(corpus, cache_dir, tmp_path, monkeypatch):
+    """``hybridnorm gradprofile`` prints ``‖∇‖``: on a Latin-1 stdout that was a traceback after the first profile.
+    The stdout that ``cli.main`` sets up writes it as escapes instead."""
+    from hybridnorm.errors import escape_unencodable_output
+    from hybridnorm.experiments import gradprofile
+
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="latin-1", errors="strict"))
+    escape_unencodable_output()
+    over = [f"--data.source={corpus}", "--data.tokenizer=bytes", f"--data.cache_dir={cache_dir}"]
+    gradprofile.run(tmp_path / "p.json", ["tiny"], ["pre"], ["default"], [0], 2, 32, over)
+    sys.stdout.flush()
+    assert "last/first block \\u2016\\u2207\\u2016 " in raw.getvalue().decode("latin-1")

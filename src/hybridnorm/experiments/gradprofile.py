@@ -32,7 +32,7 @@ import torch
 from hybridnorm import plain_data
 from hybridnorm.data.tokenizer import atomic_write
 from hybridnorm.diagnostics.groups import group_params
-from hybridnorm.errors import ConfigError, OneLineArgumentParser, one_line
+from hybridnorm.errors import ConfigError, OneLineArgumentParser, escape_unencodable_output, one_line
 from hybridnorm.experiments.grid_checks import check_placement_spellings, no_repeats
 from hybridnorm.nn.model import TransformerLM
 from hybridnorm.train.config import TrainConfig
@@ -177,4 +177,5 @@ def main(argv: Sequence[str] | None = None, debug: bool = False) -> int:
 
 
 if __name__ == "__main__":
+    escape_unencodable_output()  # as `hybridnorm gradprofile` does: its progress line holds ‖∇‖
     raise SystemExit(main())
