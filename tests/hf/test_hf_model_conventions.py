@@ -265,6 +265,8 @@ def test_a_placement_beside_the_dict_that_names_another_is_refused_not_ignored(t
 @pytest.mark.parametrize(("dict_placement", "named"), [
     ("Pre-Pre", "pre"), ("Pre-Pre", "pre_ln"), ("pre", "Pre-Pre"),
     ({"name": "mine", "block": {"attn": {"in_norm": True}, "ffn": {"in_norm": True}}}, "Pre-Norm"),
+    # the init a placement draws fresh weights with by default is no part of a loaded model (as on resume)
+    ({"name": "mine", "init": "megatron", "block": {"attn": {"in_norm": True}, "ffn": {"in_norm": True}}}, "pre"),
 ])
 def test_a_placement_beside_the_dict_that_names_its_spec_in_other_words_is_the_same_model(
         tmp_path: Path, dict_placement, named: str) -> None:
