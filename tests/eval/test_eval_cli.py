@@ -181,3 +181,20 @@ def test_without_device_eval_runs_on_the_gpu_where_one_is_visible():
 
     assert inference_device(None) == (torch.device("cuda") if torch.cuda.is_available() else None)
     assert inference_device("cpu") == torch.device("cpu")
+
+
+def test_a_run_folder_and_a_text_file_with_brackets_are_printed_as_they_are(run_dir, tmp_path, capsys):
+    """The header (the checkpoint's path), the table's task names and the notes were printed as rich markup:
+    a run folder under 'x[/y]' ended eval with a MarkupError traceback after the evaluation had run (no JSON
+    written), and a file named 't[red].txt' was printed as a red 't.txt'."""
+    import shutil
+
+    run = tmp_path / "x[" / "y]" / "run[v2]"
+    shutil.copytree(run_dir, run)
+    text_file = tmp_path / "t[red].txt"
+    text_file.write_text("the lord said [b]unto[/b] moses\n", encoding="utf-8")
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", str(run), "--text", str(text_file), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert str(run / "checkpoints") in printed and "text:t[red].txt" in printed, printed
+    assert json.loads(out.read_text(encoding="utf-8"))["text"]["n_docs"] == 1

@@ -37,16 +37,19 @@ def print_results(rows: Sequence[Row], header: str, notes: Sequence[str] = ()) -
     """``header`` (the checkpoint), a rich table, then ``notes``, on stdout (plain text when redirected)."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table()
     for col, justify in (("task", "left"), ("metric", "left"), ("value", "right"), ("± stderr", "right"),
                          ("n", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for task, metric, value, stderr, n in rows:
-        table.add_row(task, metric, _fmt(value), _fmt(stderr), "" if n is None else f"{n:,}")
+    for task, metric, value, stderr, n in rows:  # as Text: a file or task name may hold brackets ('t[red].txt')
+        table.add_row(Text(task), Text(metric), _fmt(value), _fmt(stderr), "" if n is None else f"{n:,}")
     console = Console()
     for line in (header, table, *notes):  # long paths stay whole lines: copy-pasteable
-        console.print(line, highlight=False, soft_wrap=isinstance(line, str))
+        # printed as they are, not as rich markup: a run folder 'x[/y]' raised MarkupError after the evaluation
+        # ran (nothing written), and one like 'runs[v2]' lost its brackets, as the trainer's lines did
+        console.print(line, highlight=False, markup=False, soft_wrap=isinstance(line, str))
 
 
 def jsonable(obj: Any) -> Any:
