@@ -92,6 +92,23 @@ def test_bad_options_are_one_error_before_any_work(args, names, tmp_path, capsys
     assert not out.exists()  # nothing measured, nothing written
 
 
+def test_a_file_continued_under_another_name_of_its_placement_is_refused(tmp_path, capsys):
+    """The file measured 'pre'; continued with '--placements Pre-Pre' (one model, another name) it measured the
+    same profiles again under the new name, which figure2 drew as a second placement. Now refused before any
+    work, naming the file's name of it; the same name continues the file as before."""
+    out = tmp_path / "step1.json"
+    assert gradprofile.main(["--out", str(out), "--placements", "pre", "--seeds", "0", *TINY]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert gradprofile.main(["--out", str(out), "--placements", "Pre-Pre", "--seeds", "0,1", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'Pre-Pre'" in err and f"--out {out} holds that placement as 'pre'" in err, err
+    assert out.read_bytes() == before
+    assert gradprofile.main(["--out", str(out), "--placements", "pre,post", "--seeds", "0", *TINY]) == 0
+    profiles = json.loads(out.read_text(encoding="utf-8"))["profiles"]
+    assert [p["placement"] for p in profiles] == ["pre", "post"]
+
+
 @pytest.mark.parametrize("text, says", [
     ("[" * 5000 + "]" * 5000, "nested deeper"),
     ('{"profiles": [1, 2]}', "not a gradprofile file"),

@@ -129,7 +129,8 @@ def run(out: Path, sizes: Sequence[str], placements: Sequence[str], inits: Seque
     # drawn as so many placements; a name listed twice, measured twice, counted twice in the plot's mean
     for option, values in (("--sizes", sizes), ("--placements", placements), ("--inits", inits), ("--seeds", seeds)):
         no_repeats(option, values)
-    check_placement_spellings(placements)
+    # and a file continued under another name of a placement it holds ('pre' then 'Pre-Pre'): measured again
+    check_placement_spellings(placements, [p["placement"] for p in found["profiles"]], f"--out {out}")
     done = {key_of(p["size"], p["placement"], p["init"], p["seed"]) for p in found["profiles"]}
     for seed in seeds:
         for size in sizes:

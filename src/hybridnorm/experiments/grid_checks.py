@@ -56,8 +56,21 @@ def _built(name: str) -> tuple[Any, ...]:
     return (p.block, p.overrides, p.embed_norm, p.final_norm, p.dual_stream, p.init)
 
 
-def check_placement_spellings(names: Sequence[str]) -> None:
-    """Refuse two names of one placement (an alias, a case variant, a grammar name of a preset)."""
+def check_placement_spellings(names: Sequence[str], recorded: Sequence[str] = (), recorded_in: str = "") -> None:
+    """Refuse two names of one placement (an alias, a case variant, a grammar name of a preset); with
+    ``recorded``, the names a file being continued (``recorded_in``) already holds, also a listed name that
+    spells one of those otherwise: the file would hold that model twice, drawn as two placements."""
+    on_file: dict[tuple[Any, ...], str] = {}
+    for old in dict.fromkeys(recorded):
+        try:
+            on_file.setdefault(_built(old), old)
+        except ConfigError:  # a name this version does not know: no model of the list can be it
+            continue
+    for name in names:
+        old = on_file.get(_built(name), name)
+        if old != name:
+            raise ConfigError(f"--placements lists {name!r}, but {recorded_in} holds that placement as {old!r}, "
+                              f"two names of one placement; list it as {old!r} to continue the file")
     seen: dict[tuple[Any, ...], str] = {}
     for name in names:
         built = _built(name)
