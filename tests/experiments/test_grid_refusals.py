@@ -119,6 +119,16 @@ def test_a_point_of_zero_steps_is_refused_before_any_run_trains(tmp_path, corpus
     assert not list(out.glob("runs/*/metrics.jsonl"))
 
 
+def test_a_point_adamw_cannot_train_is_refused_before_any_run_trains(tmp_path, corpus, cache_dir, capsys):
+    """``--axis optim.eps=1e-8,0``: train refuses eps=0 at its start, but the grid first trained every point
+    before that one, then ended on the refusal half-way through the grid."""
+    out = tmp_path / "cmp"
+    assert cli.main(_argv(out, corpus, cache_dir, "--axis", "optim.eps=1e-8,0")) == 2
+    line = _one_error(capsys)
+    assert "optim.eps=0 (grid point pre-" in line and "must be > 0" in line, line
+    assert not list(out.glob("runs/*/metrics.jsonl"))
+
+
 @pytest.mark.parametrize("report_only", [False, True])
 def test_a_report_folder_of_another_grid_is_refused_and_kept(grid, tmp_path, corpus, cache_dir, capsys, report_only):
     """Before 2026-12-02 ``compare --placements post`` into the folder of a ``pre`` grid (or a sweep's, with

@@ -6,7 +6,8 @@
   train the same model twice and the report would count it as two placements (a ``--baseline`` spelled
   unlike the grid's name of it is that placement: :func:`grid_baseline`);
 - a point that trains no step (``--axis steps=0``, ``--max-steps 0``): a grid judges trained runs, and a run
-  of zero steps has no training record to judge (it was reported as a lost log);
+  of zero steps has no training record to judge (it was reported as a lost log); or one that AdamW cannot
+  train (``optim.eps=0``, which ``train`` refuses at its start: the grid trained the points before it);
 - a ``data.source`` that is not there (a missing file, a folder without text files): caught before the
   first run trains, not by a worker half-way through the grid;
 - ``--report-only`` on a folder that is not a grid's report folder, or with options that contradict the
@@ -30,6 +31,7 @@ from hybridnorm.config_base import config_differences, flatten_config
 from hybridnorm.data.corpus import source_files
 from hybridnorm.errors import ConfigError
 from hybridnorm.train.config import TrainConfig
+from hybridnorm.train.optim import check_trainable
 from hybridnorm.train.preflight import REPORT_POINT, folder_kind
 
 # Fields that decide when a session stops (and checkpoints), not what it trains: a later session may drop them.
@@ -99,8 +101,10 @@ def grid_baseline(baseline: str | None, placements: Sequence[str]) -> str:
 
 
 def check_points_train(configs: Sequence[TrainConfig], names: Sequence[str]) -> None:
-    """Every point trains at least one step (max_steps 0 is train's "evaluate the initial model")."""
+    """Every point trains at least one step (max_steps 0 is train's "evaluate the initial model"), with settings
+    AdamW can train with (``--axis optim.eps=1e-8,0`` trained the first point, then failed on the second)."""
     for cfg, name in zip(configs, names, strict=True):
+        check_trainable(cfg.optim, f" (grid point {name})")
         if cfg.max_steps < 1:
             raise ConfigError(f"max_steps={cfg.max_steps} (grid point {name}) trains no step, and a grid compares "
                               "trained runs: give steps >= 1 (--max-steps or --axis steps=...); nothing was trained")

@@ -60,16 +60,22 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return groups
 
 
+def check_trainable(cfg: OptimConfig, where: str = "") -> None:
+    """Refuse what the config reads but AdamW cannot train with: eps=0. Refused here, not by the field's bounds:
+    a run folder that records it still opens for eval. ``where`` follows the field's name (a grid point)."""
+    if cfg.eps == 0:
+        raise ConfigError(f"optim.eps=0{where} must be > 0 (default 1e-8): AdamW's step m/(sqrt(v) + eps) is 0/0 = "
+                          "NaN for every element whose gradient has been 0 so far (an untied embedding row of a "
+                          "token not seen yet, an expert no token reached)")
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, *, fused: bool | None = None) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups`. ``fused``: True = torch's fused implementation (one kernel per
     step on CUDA, one vectorised pass per tensor on CPU, and the only AdamW that skips an update on a
     device-side ``found_inf`` flag, see ``hybridnorm.train.host_sync``); False = the foreach one; None = the
     fastest for the parameters (:func:`fused_supported`). Same math, other rounding (tests pin ~1e-7)."""
     cfg.validate()
-    if cfg.eps == 0:  # refused here, not by the field's bounds: a run folder that records it still opens for eval
-        raise ConfigError("optim.eps=0 must be > 0 (default 1e-8): AdamW's step m/(sqrt(v) + eps) is 0/0 = NaN for "
-                          "every element whose gradient has been 0 so far (an untied embedding row of a token not "
-                          "seen yet, an expert no token reached)")
+    check_trainable(cfg)
     if fused is None:
         fused = fused_supported(model)
     impl = {"fused": True} if fused else {"foreach": True}
