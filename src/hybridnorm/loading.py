@@ -116,11 +116,11 @@ def _moved_corpus(run: Run, cache_dir: str | None, text_field: str) -> PreparedD
     if src in KJV_SOURCES or src.startswith("hf:") or Path(src).exists():
         return None
     sha = _recorded_sha(run)
-    data = find_prepared(src, sha, run.tokenizer, cache_dir, text_field=text_field) if sha else None
     where = f"data.source={src}, the corpus {run.checkpoint} was trained on, is not here{_relative_note(src)}"
-    if data is None and not sha:  # nothing to find a cached copy by: say that, not that there is none
+    if not sha:  # nothing to find a cached copy by: say that, not that there is none
         raise ConfigError(f"{where}, and {run.checkpoint} records no data sha256 (written before checkpoints "
                           "recorded it) by which to find a cached copy: pass --data PATH, the corpus where it lies now")
+    data = find_prepared(src, sha, run.tokenizer, cache_dir, text_field=text_field)
     if data is None:
         raise ConfigError(f"{where}, and the data cache {resolve_cache_dir(cache_dir)} holds no prepared copy of it "
                           f"(data sha256 {sha[:16]}): pass --data PATH, the corpus where it lies now")

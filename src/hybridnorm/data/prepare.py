@@ -188,7 +188,7 @@ def prepare_data(source: str | os.PathLike = "kjv", tokenizer: str = "bpe", voca
     # Only where this spec's own folder has none ready: existing entries keep being found under their keys
     if user_tok is not None and not (folder / "meta.json").is_file():
         for file in sorted(folder.parent.glob(f"{key[:16]}-*/meta.json")):
-            if (ready := _same_tokens(file, source, key, data_sha256, user_tok)) is not None:
+            if (ready := _same_tokens(_read_meta(file), file.parent, source, key, data_sha256, user_tok)) is not None:
                 with file_lock(ready.dir):  # meta.json, renamed in last, vouched for it; the lock: _add_bigram
                     return _ready(ready, data_sha256, split_fraction)
     with file_lock(folder):
@@ -245,32 +245,42 @@ def find_prepared(source: str, data_sha256: str, tokenizer: Tokenizer, cache_dir
     except OSError:
         return None
     for file in metas:
+        meta = _read_meta(file)
         try:
-            key = source_key(source, plain_data.loads(file.read_bytes())["data_files"], val_fraction, text_field)
-        except (OSError, ValueError, KeyError, TypeError):  # not a cache entry of ours, or another's format
+            key = source_key(source, meta["data_files"], val_fraction, text_field)
+        except (ValueError, KeyError, TypeError):  # not a cache entry of ours, or another's format
             continue
-        if (ready := _same_tokens(file, source, key, data_sha256, tokenizer)) is not None:
+        if (ready := _same_tokens(meta, file.parent, source, key, data_sha256, tokenizer)) is not None:
             ready.data_sha256, ready.val_fraction = data_sha256, val_fraction
             return ready
     return None
 
 
-def _same_tokens(file: Path, source: str, key: str, data_sha256: str, tokenizer: Tokenizer) -> PreparedData | None:
-    """The ready entry whose ``meta.json`` is ``file`` if it holds the tokens :func:`prepare_data` of these
-    files (``key``: their content and the split settings; ``data_sha256``) with ``tokenizer`` would build, whatever
-    its folder's name says: the same tokenizer by fingerprint, which :func:`_load_ready` checks against the
-    ``tokenizer.json`` the folder holds and its token files' sidecars. Else None."""
+def _read_meta(file: Path) -> Any:
+    """A cache entry's ``meta.json`` as read (None where it cannot be read or parsed): checked by its reader."""
     try:
-        meta = plain_data.loads(file.read_bytes())
+        return plain_data.loads(file.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _same_tokens(meta: Any, folder: Path, source: str, key: str, data_sha256: str,
+                 tokenizer: Tokenizer) -> PreparedData | None:
+    """The ready entry in ``folder`` (``meta``: its ``meta.json``, :func:`_read_meta`) if it holds the tokens
+    :func:`prepare_data` of these files (``key``: their content and the split settings; ``data_sha256``) with
+    ``tokenizer`` would build, whatever its folder's name says: the same tokenizer by fingerprint, which
+    :func:`_load_ready` checks against the ``tokenizer.json`` the folder holds and its token files' sidecars.
+    Else None."""
+    try:
         if (meta["data_sha256"] != data_sha256 or meta["tokenizer"] != tokenizer.fingerprint
                 or meta["fingerprint"] != key):
             return None
-    except (OSError, ValueError, KeyError, TypeError):  # not a cache entry of ours, or another's format
+    except (KeyError, TypeError):  # not a cache entry of ours, or another's format
         return None
     # a tokenizer whose documents begin with its own start token: only an entry built with it (tok_key's -bos)
-    if tokenizer.start_id != tokenizer.eot_id and not file.parent.name.endswith("-bos"):
+    if tokenizer.start_id != tokenizer.eot_id and not folder.name.endswith("-bos"):
         return None
-    return _load_ready(file.parent, source)
+    return _load_ready(folder, source)
 
 
 def _ready(ready: PreparedData, data_sha256: str, split_fraction: float | None) -> PreparedData:
