@@ -272,9 +272,7 @@ def _check_placement_name(name: Any, mc: ModelConfig) -> None:
     # what it is called and described as is no part of the model: 'pre' names the grammar's 'Pre-Pre' (another
     # summary and source) and a spec of one's own with Pre-Norm's blocks; it was refused as another model. Nor
     # is the init it draws fresh weights with by default: loaded weights were drawn already (as on resume)
-    described = ("name", "summary", "source", "init")
-    if asked is None or {k: v for k, v in asked.to_dict().items() if k not in described} != \
-            {k: v for k, v in have.to_dict().items() if k not in described}:
+    if asked is None or asked.computed_dict() != have.computed_dict():
         raise ConfigError(f"placement={name!r} is not the model's placement: hybridnorm.placement ({have.name!r}) "
                           "is, and the weights were made for it; edit that (a model of another placement), or "
                           "drop placement")

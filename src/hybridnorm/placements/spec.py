@@ -185,6 +185,12 @@ class Placement:
         d.pop("aliases")
         return d
 
+    def computed_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` without what the placement is called and described as, nor the init it draws fresh
+        weights with by default: what two placements must share for the same weights to compute alike in both
+        (a resume, a ``from_pretrained(placement=...)``, compare them so)."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("name", "summary", "source", "init")}
+
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Placement:
         """A placement from plain data: unknown keys refused and every field type-checked (config_base)."""

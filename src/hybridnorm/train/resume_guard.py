@@ -89,23 +89,18 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Pa
     return {k: [before.get(k), after.get(k)] for k in changed}
 
 
-# what a placement is besides the function it computes: names, its description, and the init it draws fresh
-# weights with by default (as model.init, free: a resumed run draws none)
-_NOT_COMPUTED = ("name", "summary", "source", "init")
-
-
 def _placement_change(recorded: ModelConfig, requested: ModelConfig) -> str | None:
     """How the requested placement computes otherwise than the recorded one: its spec fields that differ
     (``block.qkv_norm: 'QK' -> 'QKV'``); ``None`` when only what it is called, described as, or drawn with
     differs (a change allowed and logged), ``""`` when both resolve to one spec (another spelling: no change).
     The spellings are compared as specs, as the model is built from them: ``HybridNorm``, ``hybrid`` and
     ``QKV-Post`` all build ``hybridnorm``, so resuming with one of them is resuming the same model."""
-    a, b = recorded.resolved_placement().to_dict(), requested.resolved_placement().to_dict()
-    if a == b:
+    a, b = recorded.resolved_placement(), requested.resolved_placement()
+    if a.to_dict() == b.to_dict():
         return ""
-    differences = _spec_differences({k: v for k, v in a.items() if k not in _NOT_COMPUTED},
-                                    {k: v for k, v in b.items() if k not in _NOT_COMPUTED})
-    return ", ".join(differences) or None
+    # its names, description and default init are no part of what it computes (as model.init: a resume draws
+    # no fresh weights)
+    return ", ".join(_spec_differences(a.computed_dict(), b.computed_dict())) or None
 
 
 def _spec_differences(a: Any, b: Any, where: str = "") -> list[str]:
