@@ -93,14 +93,19 @@ def test_labels_give_the_shifted_lm_loss() -> None:
     assert out.loss.item() == pytest.approx(lm_loss(out.logits[:, :-1], x[:, 1:]).item(), abs=1e-6)
 
 
-def test_moe_loss_includes_the_router_aux_loss() -> None:
+def test_moe_loss_includes_the_router_aux_loss_in_training_mode_only() -> None:
+    """Training mode: the objective (CE + weighted router losses), so Trainer keeps balancing the experts.
+    Eval mode: the CE alone, the number the trainer's own validation reports (before, eval-mode loss carried
+    the router losses too, so Trainer.evaluate's eval_loss was not the model's cross-entropy)."""
     mc = tiny("hybridnorm", moe=MoEConfig(num_experts=4, top_k=2, lb_loss_weight=0.5, z_loss_weight=0.1))
-    hf = HybridNormForCausalLM(HybridNormConfig.from_model_config(mc)).eval()
+    hf = HybridNormForCausalLM(HybridNormConfig.from_model_config(mc)).train()
     x = torch.randint(0, 257, (2, 12))
     out = hf(x, labels=x)
     aux = hf.model.aux_losses()["aux_loss"]
     assert aux.item() > 0
-    assert out.loss.item() == pytest.approx(lm_loss(out.logits[:, :-1], x[:, 1:]).item() + aux.item(), abs=1e-6)
+    ce = lm_loss(out.logits[:, :-1], x[:, 1:]).item()
+    assert out.loss.item() == pytest.approx(ce + aux.item(), abs=1e-6)
+    assert hf.eval()(x, labels=x).loss.item() == pytest.approx(ce, abs=1e-6)
 
 
 def test_config_json_round_trip_and_derived_fields(tmp_path: Path) -> None:

@@ -115,9 +115,11 @@ def test_router_logits_and_aux_loss_match_stock_mixtral(tmp_path: Path, n_layers
 
 
 def test_loss_is_ce_plus_weighted_router_losses_of_the_real_tokens() -> None:
-    """loss = CE + lb_loss_weight * lb + z_loss_weight * z, the router losses over the real tokens only (a
-    per-token loop); aux_loss is lb; each router_logits entry is the router applied to what its FFN saw."""
-    hf = hf_model(mc_of())
+    """In training mode loss = CE + lb_loss_weight * lb + z_loss_weight * z, the router losses over the real
+    tokens only (a per-token loop); aux_loss is lb; each router_logits entry is the router applied to what its
+    FFN saw. In eval mode loss is the CE alone (Trainer.evaluate's eval_loss, whose exp is the perplexity),
+    with the flag or without; aux_loss is still returned beside it."""
+    hf = hf_model(mc_of()).train()  # no dropout: the same logits as in eval mode
     ffn_inputs: list[torch.Tensor] = []
     hooks = [b.ffn.register_forward_pre_hook(lambda m, a: ffn_inputs.append(a[0])) for b in hf.model.blocks]
     ids, mask, labels = padded_batch()
@@ -132,6 +134,13 @@ def test_loss_is_ce_plus_weighted_router_losses_of_the_real_tokens() -> None:
     assert out.aux_loss.item() == pytest.approx(lb, rel=1e-5)
     assert out.loss.item() == pytest.approx(ce.item() + LBW * lb + ZW * z, rel=1e-5)
     assert out.loss.requires_grad and out.aux_loss.requires_grad
+    hf.eval()
+    with torch.no_grad():
+        for flag in (None, True):
+            quiet = hf(ids, attention_mask=mask, labels=labels, output_router_logits=flag)
+            assert quiet.loss.item() == pytest.approx(ce.item(), rel=1e-6)
+            assert torch.allclose(quiet.logits, out.logits, atol=1e-6)
+        assert quiet.aux_loss.item() == pytest.approx(lb, rel=1e-5)
 
 
 @torch.no_grad()
@@ -152,8 +161,9 @@ def test_what_padding_holds_changes_nothing() -> None:
 
 @torch.no_grad()
 def test_without_a_mask_the_numbers_are_the_training_loops() -> None:
-    """No padding mask: the router losses are those the training loop adds (TransformerLM.aux_losses), bitwise."""
-    hf = hf_model(mc_of())
+    """No padding mask, training mode: the router losses are those the training loop adds
+    (TransformerLM.aux_losses), bitwise, and loss is the training loop's objective."""
+    hf = hf_model(mc_of()).train()
     ids, _, _ = padded_batch()
     out = hf(ids, labels=ids, output_router_logits=True)
     aux = hf.model.aux_losses()
@@ -205,3 +215,35 @@ def test_gradient_checkpointing_records_each_layer_once_and_keeps_the_gradients(
         assert torch.allclose(a, b, atol=1e-6)
     router_grad = hf.model.blocks[0].ffn.router.weight.grad
     assert router_grad.abs().max() > 0  # the router losses reach the router
+
+
+def test_trainer_evaluate_eval_loss_is_the_cross_entropy_stock_mixtral_reports(tmp_path: Path) -> None:
+    """``Trainer.evaluate`` runs the model in eval mode: its ``eval_loss`` is the cross-entropy alone, the same
+    number stock Mixtral with the same weights reports (before, ours added the router losses there, about
+    0.01 nats on a trained model, so exp(eval_loss) was not the perplexity), and a hand mean over the tokens."""
+    from transformers import Trainer, TrainingArguments
+
+    mc = mc_of("pre", 2, MoEConfig(num_experts=E, top_k=K, normalize_topk=True, lb_loss_weight=LBW, z_loss_weight=ZW))
+    torch.manual_seed(0)
+    lm = TransformerLM(mc).eval()
+    oracle.randomize_(lm, seed=0)
+    assert export_model(lm, tmp_path / "hf", ByteTokenizer()).class_name == "MixtralForCausalLM"
+    theirs = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf")
+    ours = HybridNormForCausalLM(HybridNormConfig.from_model_config(mc))
+    ours.model.load_state_dict(lm.state_dict())
+    ids = torch.randint(0, V, (5, 12), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": r.tolist(), "labels": r.tolist()} for r in ids]
+    args = TrainingArguments(output_dir=str(tmp_path / "t"), per_device_eval_batch_size=2, report_to=[],
+                             use_cpu=True, disable_tqdm=True)
+    got = [Trainer(model=m, args=args, eval_dataset=rows).evaluate()["eval_loss"] for m in (ours, theirs)]
+    with torch.no_grad():
+        logits = lm(ids)
+    # Trainer averages the eval batches' (2, 2, 1 rows) mean losses weighted by their rows
+    by_batch = [F.cross_entropy(logits[i:i + 2, :-1].reshape(-1, V), ids[i:i + 2, 1:].reshape(-1)).item()
+                for i in (0, 2, 4)]
+    hand = (2 * by_batch[0] + 2 * by_batch[1] + by_batch[2]) / 5
+    assert got[0] == pytest.approx(got[1], rel=1e-5)
+    assert got[0] == pytest.approx(hand, rel=1e-5)
+    ours.train()
+    assert ours(ids, labels=ids).loss.item() > F.cross_entropy(logits[:, :-1].reshape(-1, V),
+                                                               ids[:, 1:].reshape(-1)).item() + 1e-3

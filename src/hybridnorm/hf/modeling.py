@@ -258,8 +258,8 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
     """Causal LM over any placement. ``labels`` are shifted inside (or ``shift_labels`` given already
     shifted); with ``num_items_in_batch`` the loss is the sum over this batch's scored tokens divided by it
     (what ``Trainer`` passes under gradient accumulation), else their mean; an MoE's weighted router losses
-    are added, scaled by this batch's share of the scored tokens so that accumulated micro-batches add up
-    to one batch's."""
+    are added in training mode (not in eval mode, where ``loss`` is the cross-entropy alone), scaled by this
+    batch's share of the scored tokens so that accumulated micro-batches add up to one batch's."""
 
     def __init__(self, config: HybridNormConfig) -> None:
         super().__init__(config)
@@ -303,7 +303,8 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
         out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
                               output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                              return_dict=True, output_router_logits=want_router or (wants_loss and self.model.is_moe),
+                              return_dict=True,
+                              output_router_logits=want_router or (wants_loss and self.model.is_moe and self.training),
                               **kwargs)
         x = out.last_hidden_state  # (B, T, d)
         if isinstance(logits_to_keep, int):
@@ -316,7 +317,9 @@ class HybridNormForCausalLM(HybridNormPreTrainedModel, GenerationMixin):
         loss = None
         if wants_loss:
             loss, scored = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch"), kwargs.get("shift_labels"))
-            if router is not None:
+            # the objective in training mode; in eval mode the LM loss alone, so that Trainer.evaluate's
+            # eval_loss is the cross-entropy our trainer reports and exp() of it the perplexity
+            if router is not None and self.training:
                 share = scored / kwargs["num_items_in_batch"] if kwargs.get("num_items_in_batch") is not None else 1.0
                 loss = loss + router["aux_loss"] * share
         fields = dict(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
