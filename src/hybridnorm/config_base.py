@@ -13,6 +13,7 @@ Config text is read by :mod:`hybridnorm.config_text` (YAML's *safe* loader: no t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -193,13 +194,17 @@ def from_mapping(cls: type, d: Any, where: str) -> Any:
     return cls(**{k: coerce(_join(where, k), v, hints[k]) for k, v in d.items()})
 
 
-def typed_fields(obj: Any, where: str) -> None:
-    """Check every field of the dataclass instance ``obj`` against its type hint, as ``from_mapping`` does
-    for a mapping, writing back the lossless conversions (frozen instances too). For objects built in
-    Python: a dataclass does not check its own annotations, so ``in_norm="no"`` would act as true."""
+def typed_fields(obj: Any, where: str, *, canonical: bool = False) -> None:
+    """Check each field of the dataclass ``obj`` against its type hint as ``from_mapping`` does (a dataclass does
+    not check its annotations: ``in_norm="no"`` acts as true), writing nothing; ``canonical``: write back the lossless
+    conversions instead (2 -> 2.0, list -> tuple), for a frozen spec's ``__post_init__``: canonical from the start."""
     hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
-        object.__setattr__(obj, f.name, coerce(_join(where, f.name), getattr(obj, f.name), hints[f.name]))
+        if not canonical:
+            coerce(_join(where, f.name), getattr(obj, f.name), hints[f.name])
+        else:  # a field with no lossless form stays as given: its validate(where) refuses it by its name
+            with contextlib.suppress(ConfigError):
+                object.__setattr__(obj, f.name, coerce(f.name, getattr(obj, f.name), hints[f.name]))
 
 
 def _join(where: str, name: str) -> str:

@@ -13,7 +13,10 @@ context C. ``x`` is the block input, so a block is ``Y = sublayer(attn, X)``, ``
 
 A :class:`Placement` is a :class:`BlockSpec` for every layer, per-layer :class:`Override` s (the first
 block of HybridNorm*, the first ⌊αL⌋ blocks of Mix-LN), and model-level embedding / final norms.
-Everything is frozen and hashable, so two placements diff by eye and compare with ``==``.
+Everything is frozen and hashable, so two placements diff by eye and compare with ``==``. Each spec is
+canonical from construction (``__post_init__``: the lossless forms of its fields, 2 -> 2.0, a list of
+overrides -> a tuple, and the attention letters in QKVC order), so its equality and hash never change over
+its life; ``validate()`` only checks, naming the field where it sits.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class SublayerSpec:
     out_norm: bool = False
     post_norm: bool = False
 
+    def __post_init__(self) -> None:
+        typed_fields(self, "", canonical=True)
+
     def validate(self, where: str) -> None:
         typed_fields(self, where)
         _choice(f"{where}.skip", self.skip, SKIPS)
@@ -73,6 +79,16 @@ class BlockSpec:
     branch_scale: float = 1.0
     depth_scaled_norms: bool = False
 
+    def __post_init__(self) -> None:
+        typed_fields(self, "", canonical=True)
+        # one spelling per set of letters, as the grammar writes it ('kq' -> 'QK'): the letters are a set (the
+        # model asks `norms(letter)`), so a spec built or written with them in another order or case is the same
+        # spec, equal, hashed, rendered and recorded alike, not another placement. Letters that are no such set
+        # stay as given, for validate() to refuse by the field's name
+        letters = self.qkv_norm.upper() if isinstance(self.qkv_norm, str) else "?"
+        if set(letters) <= set(QKVC) and len(set(letters)) == len(letters):
+            object.__setattr__(self, "qkv_norm", "".join(c for c in QKVC if c in letters))
+
     def validate(self, where: str = "block") -> None:
         typed_fields(self, where)
         self.attn.validate(f"{where}.attn")
@@ -82,10 +98,6 @@ class BlockSpec:
         letters = self.qkv_norm.upper()
         if any(c not in QKVC for c in letters) or len(set(letters)) != len(letters):
             raise ConfigError(f"{where}.qkv_norm={self.qkv_norm!r} must be distinct letters from 'QKVC'")
-        # one spelling per set of letters, as the grammar writes it ('kq' -> 'QK'): the letters are a set (the
-        # model asks `norms(letter)`), so a spec built or written with them in another order or case is the same
-        # spec, equal, hashed, rendered and recorded alike, not another placement
-        object.__setattr__(self, "qkv_norm", "".join(c for c in QKVC if c in letters))
         _choice(f"{where}.qkv_norm_scope", self.qkv_norm_scope, SCOPES)
         _choice(f"{where}.qkv_norm_order", self.qkv_norm_order, ORDERS)
         if isinstance(self.residual_scale, str):
@@ -113,6 +125,9 @@ class Override:
     block: BlockSpec
     first_n: int | None = None
     first_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        typed_fields(self, "", canonical=True)
 
     def validate(self, where: str) -> None:
         typed_fields(self, where)
@@ -149,7 +164,11 @@ class Placement:
     source: str = ""
     aliases: tuple[str, ...] = field(default=(), compare=False)
 
+    def __post_init__(self) -> None:
+        typed_fields(self, "", canonical=True)
+
     def validate(self) -> Placement:
+        """``self``, checked (a ConfigError naming the first bad field); it changes nothing."""
         where = f"placement[{self.name}]"
         typed_fields(self, where)
         self.block.validate(f"{where}.block")
