@@ -267,6 +267,10 @@ def test_a_placement_beside_the_dict_that_names_another_is_refused_not_ignored(t
     ({"name": "mine", "block": {"attn": {"in_norm": True}, "ffn": {"in_norm": True}}}, "Pre-Norm"),
     # the init a placement draws fresh weights with by default is no part of a loaded model (as on resume)
     ({"name": "mine", "init": "megatron", "block": {"attn": {"in_norm": True}, "ffn": {"in_norm": True}}}, "pre"),
+    # nor how its blocks are written: compared as built, mix_ln's ⌊0.25·L⌋ Post-Norm blocks are none at L = 2
+    ("mix_ln", "pre"), ("pre", "mix_ln"),
+    ({"name": "mine", "block": {"attn": {"in_norm": True}, "ffn": {"in_norm": True}},
+      "overrides": [{"block": {"attn": {"in_norm": True}, "ffn": {"in_norm": True}}, "first_n": 1}]}, "pre"),
 ])
 def test_a_placement_beside_the_dict_that_names_its_spec_in_other_words_is_the_same_model(
         tmp_path: Path, dict_placement, named: str) -> None:
@@ -278,7 +282,8 @@ def test_a_placement_beside_the_dict_that_names_its_spec_in_other_words_is_the_s
     HybridNormForCausalLM(config(hybridnorm={"placement": dict_placement})).save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, placement=named)
     have = loaded.config.model_config().resolved_placement()
-    assert (have.block, have.overrides) == (hn.placements.get("pre").block, ())
+    mine = dict_placement if isinstance(dict_placement, str) else hn.placements.Placement.from_dict(dict_placement)
+    assert have == hn.placements.get(mine) and have.built(2) == hn.placements.get("pre").built(2)
 
 
 @pytest.mark.parametrize("norm", ["rms", "layer", "dyt"])

@@ -271,8 +271,9 @@ def _check_placement_name(name: Any, mc: ModelConfig) -> None:
         raise ConfigError(f"placement={name!r}: {e}") from None
     # what it is called and described as is no part of the model: 'pre' names the grammar's 'Pre-Pre' (another
     # summary and source) and a spec of one's own with Pre-Norm's blocks; it was refused as another model. Nor
-    # is the init it draws fresh weights with by default: loaded weights were drawn already (as on resume)
-    if asked is None or asked.computed_dict() != have.computed_dict():
+    # is the init it draws fresh weights with by default: loaded weights were drawn already (as on resume). Nor how
+    # its blocks are written: compared as built (mix_ln's ⌊0.25·L⌋ Post-Norm blocks are none at L < 4: Pre-Norm)
+    if asked is None or asked.built(mc.n_layers) != have.built(mc.n_layers):
         raise ConfigError(f"placement={name!r} is not the model's placement: hybridnorm.placement ({have.name!r}) "
                           "is, and the weights were made for it; edit that (a model of another placement), or "
                           "drop placement")

@@ -116,6 +116,19 @@ class BlockSpec:
             return (2 * n_layers) ** 0.25
         return float(self.residual_scale)
 
+    def as_built(self, layer: int, n_layers: int) -> BlockSpec:
+        """This spec as block ``layer`` (0-based) of ``n_layers`` builds it (hybridnorm.nn.block): each field that
+        block ignores at its default, the residual scale as the α it multiplies by. Ignored are the scope of the
+        attention norms with no such norm, their order around RoPE with no Q or K norm (V and C are not rotated),
+        and ``depth_scaled_norms`` in block 1 (its 1/√l is 1) or in a block with no norm. Two blocks equal as built
+        have the same parameters and compute the same function."""
+        letters = self.qkv_norm
+        normed = bool(letters) or any(s.in_norm or s.out_norm or s.post_norm for s in (self.attn, self.ffn))
+        return dataclasses.replace(
+            self, qkv_norm_scope=self.qkv_norm_scope if letters else "head",
+            qkv_norm_order=self.qkv_norm_order if set(letters) & set("QK") else "before_rope",
+            residual_scale=self.alpha(n_layers), depth_scaled_norms=self.depth_scaled_norms and layer > 0 and normed)
+
 
 @dataclass(frozen=True)
 class Override:
@@ -204,11 +217,14 @@ class Placement:
         d.pop("aliases")
         return d
 
-    def computed_dict(self) -> dict[str, Any]:
-        """:meth:`to_dict` without what the placement is called and described as, nor the init it draws fresh
-        weights with by default: what two placements must share for the same weights to compute alike in both
-        (a resume, a ``from_pretrained(placement=...)``, compare them so)."""
-        return {k: v for k, v in self.to_dict().items() if k not in ("name", "summary", "source", "init")}
+    def built(self, n_layers: int) -> dict[str, Any]:
+        """What a model of ``n_layers`` blocks builds from this placement: each block as built
+        (:meth:`BlockSpec.as_built`) and the model-level norms and stream. Two placements with equal ``built`` make
+        models of the same parameters computing the same function, however they are written or named (an override
+        equal to the block it replaces, ``first_fraction`` and ``first_n`` covering the same blocks, another name,
+        summary or default init): what a resume and a ``from_pretrained(placement=...)`` compare."""
+        return {"blocks": [b.as_built(i, n_layers) for i, b in enumerate(self.blocks(n_layers))],
+                "embed_norm": self.embed_norm, "final_norm": self.final_norm, "dual_stream": self.dual_stream}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Placement:

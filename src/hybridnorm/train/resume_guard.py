@@ -17,8 +17,10 @@ written before those copies existed:
   its recorded and requested value. ``model.placement`` is compared as the placement it builds, not as the
   text that names it: another spelling of it (``HybridNorm``, ``QKV-Post`` or the alias ``hybrid`` for
   ``hybridnorm``; a spec of one's own written with its defaults spelt out, or its Q/K letters as ``KQ``) is
-  no change at all, and its name, description or default init (a resume draws no fresh weights) may change
-  and are logged; a placement that computes anything else is refused naming the spec fields that differ;
+  no change at all; its name, description or default init (a resume draws no fresh weights) may change, and so
+  may how it is written where it builds the same blocks (``Placement.built``: an override equal to the block it
+  replaces, ``first_fraction`` and ``first_n`` covering the same blocks, a field its blocks ignore), logged; a
+  placement that builds anything else is refused naming the blocks and the fields that differ in them;
 * every other field may change (more steps, a new learning rate; new data with the run's tokenizer for a
   model imported with ``hybridnorm import``, whose checkpoint holds no data position — a trained run's
   data position is checked against its data by the checkpoint loader): :func:`check_resume` returns those
@@ -27,6 +29,8 @@ written before those copies existed:
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -90,22 +94,32 @@ def check_resume(run_dir: Path, cfg: TrainConfig, tokenizer: Tokenizer, ckpt: Pa
 
 
 def _placement_change(recorded: ModelConfig, requested: ModelConfig) -> str | None:
-    """How the requested placement computes otherwise than the recorded one: its spec fields that differ
-    (``block.qkv_norm: 'QK' -> 'QKV'``); ``None`` when only what it is called, described as, or drawn with
-    differs (a change allowed and logged), ``""`` when both resolve to one spec (another spelling: no change).
-    The spellings are compared as specs, as the model is built from them: ``HybridNorm``, ``hybrid`` and
-    ``QKV-Post`` all build ``hybridnorm``, so resuming with one of them is resuming the same model."""
+    """How the requested placement builds otherwise than the recorded one: the blocks (1-based, as the docs count
+    them) whose fields differ as built, and the model-level norms that differ (``blocks 2-12: qkv_norm: 'QK' ->
+    'QKV'; final_norm: True -> False``); ``None`` when both build the same model (a change allowed and logged:
+    another name, description or default init, as model.init: a resume draws no fresh weights; blocks written
+    otherwise), ``""`` when both resolve to one spec (another spelling: no change). The spellings are compared
+    as specs, as the model is built from them: ``HybridNorm``, ``hybrid`` and ``QKV-Post`` all build
+    ``hybridnorm``, so resuming with one of them is resuming the same model."""
     a, b = recorded.resolved_placement(), requested.resolved_placement()
     if a.to_dict() == b.to_dict():
         return ""
-    # its names, description and default init are no part of what it computes (as model.init: a resume draws
-    # no fresh weights)
-    return ", ".join(_spec_differences(a.computed_dict(), b.computed_dict())) or None
+    # each at its own depth: a changed model.n_layers is refused as such
+    built_a, built_b = a.built(recorded.n_layers), b.built(requested.n_layers)
+    per_block = [_spec_differences(dataclasses.asdict(x), dataclasses.asdict(y))
+                 for x, y in zip(built_a.pop("blocks"), built_b.pop("blocks"), strict=False)]
+    said = []
+    for diffs, run in itertools.groupby(enumerate(per_block), key=lambda item: item[1]):
+        layers = [i + 1 for i, _ in run]
+        if diffs:
+            blocks = f"block {layers[0]}" if len(layers) == 1 else f"blocks {layers[0]}-{layers[-1]}"
+            said.append(f"{blocks}: {', '.join(diffs)}")
+    return "; ".join(said + _spec_differences(built_a, built_b)) or None
 
 
 def _spec_differences(a: Any, b: Any, where: str = "") -> list[str]:
-    """``field: before -> after`` for each leaf of two placement dicts that differs (of two lists of overrides
-    of different lengths, their lengths)."""
+    """``field: before -> after`` for each leaf of two (nested) dicts that differs (of two lists of different
+    lengths, their lengths)."""
     if isinstance(a, dict) and isinstance(b, dict):
         return [d for k in dict.fromkeys([*a, *b])
                 for d in _spec_differences(a.get(k), b.get(k), f"{where}.{k}" if where else k)]
