@@ -42,6 +42,33 @@ def test_names_that_were_valid_keep_their_meaning(name: str, same_as: str) -> No
     assert model(placements.get(name)) == model(placements.get(same_as))
 
 
+@pytest.mark.parametrize(("name", "hyphens"), [
+    ("Pre QKV Post", "Pre-QKV-Post"), ("pre qkv post", "Pre-QKV-Post"), ("Post Pre", "Post-Pre"),
+    ("QKV  Post", "QKV-Post"), (" Pre - QKV - Post ", "Pre-QKV-Post"), ("kc\tpost", "KC-Post"),
+    ("Pre QK_pre", "Pre-QK-Pre"),
+])
+def test_blanks_separate_a_grammar_names_words_as_they_do_a_presets(name: str, hyphens: str) -> None:
+    """``pre qk pre`` worked (it is the preset ``qk_norm``'s alias, whose key reads blanks as separators) while
+    ``Pre QKV Post`` was refused: the grammar split on ``-``/``_`` only."""
+    assert placements.get(name) == placements.get(hyphens)
+    assert placements.parse(name) == placements.parse(hyphens)
+
+
+def test_every_name_and_paper_name_means_the_same_with_blanks_for_its_separators() -> None:
+    every = [*placements.names(), *placements.aliases(), *placements.PAPER_NAMES]
+    for name in every:
+        assert placements.get(name.replace("-", " ").replace("_", " ")) == placements.get(name), name
+
+
+@pytest.mark.parametrize("bad", ["Pre QKV Mid", "Pre QKV", "QKV", "Pre QKV Post Pre", "Pre QKX Post"])
+def test_a_blank_separated_name_that_is_no_grammar_name_is_refused_naming_the_valid_forms(bad: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        placements.get(bad)
+    msg = str(e.value)
+    assert f"placement {bad!r} is not a preset" in msg and "hybridnorm_star" in msg and GRAMMAR_HEAD in msg
+    assert "separated by '-', '_' or blanks" in msg
+
+
 @pytest.mark.parametrize("bad", ["Pre-", "Pre--Pre"])
 @pytest.mark.parametrize("argv", [
     ["train", "--placement", "{bad}", "--out", "{tmp}/run", *SMALL],

@@ -64,8 +64,10 @@ def render() -> str:
     parts.append("")
     parts += [_section(key, get(key)) for key in names()]
     parts += ["## The paper's grammar\n", f"Any name of the form {GRAMMAR}. "
-              "Names are case-insensitive and `-`/`_` are interchangeable; a name with an empty part between "
-              "them (`Pre-`, `Pre--Pre`) is refused, not read as another. The paper's Table 6 names:\n",
+              "Names, presets' and grammar names alike, are case-insensitive and `-`, `_` and blanks are "
+              "interchangeable separators (`Pre QKV Post` is `Pre-QKV-Post`, a run of blanks counts once); a name "
+              "with an empty part between `-`/`_` (`Pre-`, `Pre--Pre`) is refused, not read as another. The "
+              "paper's Table 6 names:\n",
               "| name | parses to | equations |", "|---|---|---|"]
     for name in PAPER_NAMES:
         p = get(name)

@@ -1,7 +1,9 @@
 """Named placements: the presets, and the paper's grammar ``[Pre-|Post-]<#>-<Pre|Post>``.
 
 Presets are entries in a dict; each line below reads as "which slots are on". Names are
-case-insensitive and ``-``/``_`` are interchangeable (an empty part between them, ``Pre-``, is refused).
+case-insensitive and ``-``, ``_`` and blanks are interchangeable separators, in preset and grammar names alike
+(``Pre QKV Post`` is ``Pre-QKV-Post``, ``OLMo-2 reordered`` is ``olmo_2_reordered``; a run of blanks is one
+separator; an empty part between ``-``/``_``, ``Pre-`` or ``Pre--Pre``, is refused, not read as another name).
 A name that is not a preset is parsed by the grammar (``QKV-Post``, ``Pre-QK-Pre``, ``Post-Pre`` …), so
 every ablation of the paper's Table 6 — and any other subset of Q, K, V, C — is available without being listed by hand.
 """
@@ -34,7 +36,8 @@ PAPER_NAMES: tuple[str, ...] = (
 )
 
 GRAMMAR = (
-    "[<Pre|Post>-][<letters from QKVC>-]<Pre|Post>: the optional first word is the attention input "
+    "[<Pre|Post>-][<letters from QKVC>-]<Pre|Post>, in any case, its parts separated by '-', '_' or blanks: "
+    "the optional first word is the attention input "
     "norm (Pre: X + MHA(N(X)); Post: N(X) + MHA(N(X))), the letters are the per-head norms inside "
     "attention, the last word is the FFN (Pre: Y + FFN(N(Y)); Post: N(Y) + FFN(N(Y))); "
     "e.g. QKV-Post, Pre-QK-Pre, Post-Pre"
@@ -53,8 +56,8 @@ def _refusal(name: str, why: str = "") -> ConfigError:
 def _check_parts(name: str) -> None:
     """Refuse a name with an empty part between ``-``/``_`` (``Pre-``, ``Pre--Pre``, ``-pre``): ``_key`` and
     the grammar would drop it and read another, valid name, so a typo would train a placement nobody asked
-    for. Blanks inside a part stay allowed: the spec's own names are written ``OLMo-2 reordered``. An empty
-    name is no preset and no grammar name, refused as such."""
+    for. Blanks separate parts too (the spec's own names are written ``OLMo-2 reordered``), a run of them
+    counting as one, as a name is typed. An empty name is no preset and no grammar name, refused as such."""
     if name.strip() and any(not part.strip() for part in name.strip().replace("_", "-").split("-")):
         raise _refusal(name, "has an empty part between '-'/'_': it ")
 
@@ -81,9 +84,10 @@ def aliases() -> dict[str, str]:
 
 
 def parse(name: str) -> Placement:
-    """Parse a grammar name such as ``Pre-QKV-Post`` into a placement."""
+    """Parse a grammar name such as ``Pre-QKV-Post`` (or ``pre_qkv_post``, ``Pre QKV Post``: ``-``, ``_`` and
+    blanks separate its words, as in a preset's name) into a placement."""
     _check_parts(name)
-    words = name.strip().replace("_", "-").split("-")
+    words = name.replace("_", " ").replace("-", " ").split()  # after _check_parts: no empty part is dropped
     bad = _refusal(name)
     if len(words) not in (2, 3) or words[-1].lower() not in ("pre", "post"):
         raise bad
