@@ -304,3 +304,22 @@ def test_a_placement_of_ones_own_is_planned_as_train_takes_it(capsys: pytest.Cap
     assert tables["mine2"] != tables["pre"]
     assert cli.main([*common, "--placement", "{name: bad, block: {qkv_norm: QX}}"]) == 2
     assert "placement[bad].block.qkv_norm='QX' must be distinct letters" in capsys.readouterr().err
+
+
+def test_an_moe_plan_shows_its_total_and_its_active_parameters_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """Sizing an MoE takes both: memory holds every expert, a token's FLOPs use its top_k. The plan showed the
+    total alone. Counted by hand for MoE-1B-7B under Pre-Norm (d 2048, 16 blocks of 16 heads of 128, kv 16, 64
+    experts of 1024, top 8, vocabulary 50280 padded to 50304, untied head)."""
+    d, L, qkv_heads, D, h, E, k, V = 2048, 16, 16 + 2 * 16, 128, 1024, 64, 8, 50304
+    attn = d * qkv_heads * D + 16 * D * d  # w_qkv, w_o
+    expert = d * 2 * h + h * d  # w_in [gate | up], w_out
+    other = attn + 2 * d + E * d  # the two norms of a Pre-Norm block, the router
+    total = L * (other + E * expert) + 2 * V * d + d  # embedding, untied head, final norm
+    active = L * (other + k * expert) + 2 * V * d + d
+    pl = plan(PlanOptions(size="moe-1b-7b", placement="pre"))
+    assert (pl.n_params, pl.n_active) == (total, active)
+    assert active == 1_281_951_744  # the "1.3B active" of the preset's name
+    assert cli.main(["plan", "--size", "moe-1b-7b", "--placement", "pre"]) == 0
+    assert f"moe-1b-7b pre: {total:,} parameters ({active:,} active per token), 8 GPUs" in capsys.readouterr().out
+    assert cli.main(["plan", "--size", "1.2b"]) == 0  # a dense model: every parameter is active, said once
+    assert re.search(r"^1\.2b hybridnorm_star: [\d,]+ parameters, 8 GPUs", capsys.readouterr().out)

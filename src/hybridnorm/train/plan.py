@@ -109,6 +109,7 @@ class ModePlan:
 class Plan:
     options: PlanOptions
     n_params: int
+    n_active: int  # per token: an MoE's top_k of num_experts experts (TransformerLM.num_params(active=True))
     micro_batch: int
     grad_accum: int
     budget: int  # bytes per GPU after the headroom
@@ -293,7 +294,7 @@ def plan(opts: PlanOptions) -> Plan:
         if mode == "fsdp" and accum == 1:
             buf -= 4 * n  # no accumulation, no no_sync buffer
         modes.append(ModePlan(mode, p, g, o, buf, act(mb * T, False), act(mb * T, True), *fits[mode]))
-    return Plan(opts, n, mb, accum, budget, modes)
+    return Plan(opts, n, model.num_params(active=True), mb, accum, budget, modes)
 
 
 def _check_something_fits(opts: PlanOptions, fits: dict[str, tuple[int, int]], states: dict[str, int],
@@ -352,7 +353,9 @@ def format_plan(pl: Plan) -> str:
             if pl.micro_batch <= (m.max_micro_batch_ckpt if ck else m.max_micro_batch)]
     spec = placement_value(o.placement)
     name = spec if isinstance(spec, str) else spec["name"]  # a spec of one's own by its name, not its text
-    lines = [f"{o.size} {name}: {pl.n_params:,} parameters, {_gpus(o.gpus)} x {o.gpu_mem:g} GiB "
+    # an MoE is sized by both: the memory holds every expert, the FLOPs a token costs use its top_k
+    active = f" ({pl.n_active:,} active per token)" if pl.n_active != pl.n_params else ""
+    lines = [f"{o.size} {name}: {pl.n_params:,} parameters{active}, {_gpus(o.gpus)} x {o.gpu_mem:g} GiB "
              f"({o.headroom:.0%} headroom: {pl.budget / GIB:.2f} GiB usable), seq {o.seq_len:,}, {o.precision}, "
              f"{'fused' if o.loss == 'fast' else o.loss} LM head + loss",
              f"micro-batch {pl.micro_batch:,} x grad_accum {pl.grad_accum:,} x {_gpus(o.gpus)} = {pl.global_tokens:,} "
