@@ -37,7 +37,9 @@ token, and at the start of its backward 8·V more (its gradient and its input's)
 choice on a GPU under ``--compile=true``, the planner's default) keeps c·V per token, the logits:
 :func:`loss_peak_bytes`.
 Under DDP with bf16, autocast keeps a bf16 copy of every matmul weight until the
-backward: 2·N_matmul bytes, whatever the batch. With activation checkpointing a block keeps only its
+backward: 2·N_matmul bytes, whatever the batch (:func:`weight_copy_bytes`; an MoE's 3-D expert weights too,
+which the experts cast by hand for grouped_mm: before 2026-12-02 they were left out).
+With activation checkpointing a block keeps only its
 input (r·d per token), and one block's full activations come back during its recompute. ResiDual's second
 stream adds r·d + 4 per token (its norm) and, with checkpointing, r·d per block (a second input).
 """
@@ -236,6 +238,13 @@ def activation_bytes(mc: ModelConfig, tokens: int, precision: str, checkpointing
     return tokens * (sum(layers) + head), 0
 
 
+def weight_copy_bytes(model: torch.nn.Module, precision: str) -> int:
+    """The bf16 copies of the matmul weights a DDP bf16 step holds from the forward to the backward: autocast's
+    cached casts of the 2-D weights, and the 3-D expert weights an MoE casts itself (grouped_mm is on no autocast
+    list), each saved for its backward. Norm gains and biases (1-D) are not cast."""
+    return 2 * sum(p.numel() for p in model.parameters() if p.dim() >= 2) if precision == "bf16" else 0
+
+
 def _largest_fitting(fixed: int, act_of: Callable[[int], int], budget: int, cap: int = 2**20) -> int:
     """The largest micro-batch m <= cap with fixed + act_of(m) <= budget (0: not even one sequence);
     ``act_of`` grows with m (linearly, except the loss's chunk, which stops growing at its row cap)."""
@@ -265,8 +274,7 @@ def plan(opts: PlanOptions) -> Plan:
     budget = int(opts.gpu_mem * GIB * (1 - opts.headroom))
     block = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     root = n - sum(block)
-    matmul = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2)
-    weight_copies = 2 * matmul if opts.precision == "bf16" else 0  # autocast's cached bf16 casts (DDP)
+    weight_copies = weight_copy_bytes(model, opts.precision)
 
     states = {
         "ddp": (4 * n, 4 * n, 8 * n, 4 * n + weight_copies),  # + 4·n: DDP's reduction buckets
