@@ -6,6 +6,7 @@ the tests that it stays optional always run."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,20 @@ def test_registered_model_builds_from_model_args(lm_eval, run_dir):
     assert cls(run_dir, batch_size="auto").batch_size == "auto"  # tests/eval/test_eval_auto_batch.py
     with pytest.raises(ConfigError, match="batch_size='auto:none'"):
         cls(run_dir, batch_size="auto:none")
+
+
+def test_the_documented_python_block_runs_as_written(lm_eval, run_dir, monkeypatch):
+    """docs/evaluation.md's Python block, with its run path pointed at a test run: both routes run the shipped
+    task and agree. Its ``simple_evaluate`` line named no task manager before 2026-12-02, and lm-eval's own index,
+    which lacks kjv_mc, failed it with ``KeyError: "Spec 'kjv_mc' is not a registered task..."``."""
+    doc = Path(__file__).resolve().parents[2] / "docs" / "evaluation.md"
+    (block,) = re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S)
+    assert block.count("runs/kjv-hybridnorm-star") == 2
+    monkeypatch.chdir(run_dir.parent)
+    printed: list = []
+    names: dict = {"print": printed.append}  # the block's print, only
+    exec(compile(block.replace("runs/kjv-hybridnorm-star", run_dir.name), str(doc), "exec"), names)
+    assert printed == [names["res"]["results"]["kjv_mc"]["acc_norm,none"]]
 
 
 def test_unknown_tasks_and_bad_include_paths_are_config_errors(lm_eval, run_dir, tmp_path):
