@@ -1,7 +1,9 @@
-"""docs/architecture.md states two lists that grow with the code: the import layers, lowest first (the order
-tests/test_import_graph.py enforces, ``LAYERS``), and the config sections (every class deriving from
-``config_base.Config``). Both had fallen behind by 2026-12-02: the chain lacked ``leftovers``, ``cli_parser`` and
-``generate_command``, the sections ``RopeScaling`` and ``PlanOptions``."""
+"""Facts the documents state that the code owns and that move with it. docs/architecture.md: the import layers,
+lowest first (the order tests/test_import_graph.py enforces, ``LAYERS``), and the config sections (every class
+deriving from ``config_base.Config``); by 2026-12-02 the chain lacked ``leftovers``, ``cli_parser`` and
+``generate_command``, the sections ``RopeScaling`` and ``PlanOptions``. README.md and docs/huggingface.md: the
+transformers range of pyproject.toml's ``hf`` extra; docs/huggingface.md still said >= 5.5 after the floor
+became 5.5.4."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from pathlib import Path
 
 from test_import_graph import LAYERS, SRC
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "architecture.md"
 
 
 def _section(title: str) -> str:
@@ -35,3 +38,12 @@ def test_every_config_section_is_named() -> None:
     assert {"ModelConfig", "TrainConfig", "EvalRequest"} <= sections  # the scan finds them at all
     text = _section("One config mechanism")
     assert not [name for name in sorted(sections) if f"`{name}`" not in text and f".{name}`" not in text]
+
+
+def test_the_transformers_range_is_the_hf_extras() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    extra = re.search(r'^hf = \["transformers>=([\d.]+),<([\d.]+)"\]', pyproject, flags=re.M)
+    assert extra, "pyproject.toml's hf extra is not one transformers range"
+    for doc in ("README.md", "docs/huggingface.md"):
+        stated = re.findall(r"transformers ≥ ([\d.]+), < ([\d.]+)", (ROOT / doc).read_text(encoding="utf-8"))
+        assert stated and set(stated) == {extra.groups()}, (doc, stated, extra.groups())
